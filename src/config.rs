@@ -1,0 +1,683 @@
+//! Configuration: the embedded default TOML, a user file and `LEDGER__*`
+//! environment variables, merged in that order and validated into typed
+//! [`Settings`] before anything starts.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::path::Path;
+use std::time::Duration;
+
+use figment::providers::{Format, Toml};
+use figment::Figment;
+use serde::Deserialize;
+
+use crate::auth::{Client, Role};
+use crate::domain::BizType;
+
+/// The documented defaults, compiled into the binary.
+pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
+
+/// A configuration problem, naming the key at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("configuration: {0}")]
+    Load(#[from] Box<figment::Error>),
+    #[error("configuration key `{key}`: {problem}")]
+    Invalid { key: String, problem: String },
+}
+
+fn invalid(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        problem: problem.into(),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Environment {
+    Development,
+    Production,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Durability {
+    /// Postgres decides every consume; Redis only turns duplicates away.
+    Durable,
+    /// Redis decides; Postgres receives a journal.
+    Fast,
+}
+
+impl Durability {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Durability::Durable => "durable",
+            Durability::Fast => "fast",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+// ---- raw (as written) ------------------------------------------------------
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Raw {
+    env: Environment,
+    server: RawServer,
+    postgres: RawPostgres,
+    redis: RawRedis,
+    tokens: RawTokens,
+    #[serde(default)]
+    clients: Vec<RawClient>,
+    #[serde(default)]
+    biz: BTreeMap<String, RawBiz>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawServer {
+    listen: String,
+    workers: Option<usize>,
+    shutdown_timeout: String,
+    log_format: LogFormat,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPostgres {
+    url: String,
+    pool_size: u32,
+    admin_pool_size: u32,
+    acquire_timeout: String,
+    statement_timeout: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRedis {
+    url: Option<String>,
+    cluster_nodes: Option<Vec<String>>,
+    key_prefix: String,
+    connections: usize,
+    timeout: String,
+    consumed_ttl: String,
+    down_backoff: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTokens {
+    signing_keys: Vec<RawKey>,
+    retention: String,
+    provisional_ttl: String,
+    worker_lease_ttl: String,
+    issue_flush_interval: String,
+    issue_buffer: usize,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKey {
+    id: String,
+    secret: String,
+}
+
+impl fmt::Debug for RawKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RawKey").field("id", &self.id).finish()
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawClient {
+    name: String,
+    role: Role,
+    key_sha256: String,
+    #[serde(default)]
+    biz_types: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBiz {
+    ttl: String,
+    durability: Durability,
+    issue_rate: Option<String>,
+}
+
+// ---- typed -----------------------------------------------------------------
+
+/// Validated settings. Cheap to share behind an `Arc`.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub env: Environment,
+    pub server: ServerSettings,
+    pub postgres: PostgresSettings,
+    pub redis: RedisSettings,
+    pub tokens: TokenSettings,
+    pub clients: Vec<Client>,
+    pub biz: BTreeMap<BizType, BizSettings>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerSettings {
+    pub listen: SocketAddr,
+    pub workers: Option<usize>,
+    pub shutdown_timeout: Duration,
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Clone)]
+pub struct PostgresSettings {
+    pub url: String,
+    pub pool_size: u32,
+    pub admin_pool_size: u32,
+    pub acquire_timeout: Duration,
+    pub statement_timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub enum RedisTopology {
+    Standalone(String),
+    Cluster(Vec<String>),
+}
+
+#[derive(Debug, Clone)]
+pub struct RedisSettings {
+    pub topology: RedisTopology,
+    pub key_prefix: String,
+    pub connections: usize,
+    pub timeout: Duration,
+    pub consumed_ttl: Duration,
+    pub down_backoff: Duration,
+}
+
+/// A signing key. The secret never appears in `Debug` output.
+#[derive(Clone)]
+pub struct SigningKey {
+    pub id: String,
+    pub secret: Vec<u8>,
+}
+
+impl fmt::Debug for SigningKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SigningKey")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct TokenSettings {
+    /// First signs, all verify.
+    pub signing_keys: Vec<SigningKey>,
+    pub retention: Duration,
+    pub provisional_ttl: Duration,
+    pub worker_lease_ttl: Duration,
+    pub issue_flush_interval: Duration,
+    pub issue_buffer: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct BizSettings {
+    pub ttl: Duration,
+    pub durability: Durability,
+    /// Issues per second per (client, subject); `None`: unlimited.
+    pub issue_rate: Option<NonZeroU32>,
+}
+
+/// Development secrets shipped in the default config; refused in production.
+const DEV_SECRETS: &[&str] = &["development-only-signing-secret-0123456789"];
+
+impl Settings {
+    /// Loads defaults, then `file` (if any), then the process environment.
+    pub fn load(file: Option<&Path>) -> Result<Settings, ConfigError> {
+        let env: Vec<(String, String)> = std::env::vars().collect();
+        Self::load_with_env(file, env)
+    }
+
+    /// Like [`Settings::load`] with an explicit environment (tests never touch
+    /// the process environment).
+    pub fn load_with_env(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Settings, ConfigError> {
+        let mut fig = Figment::from(Toml::string(DEFAULT_TOML));
+        if let Some(path) = file {
+            if !path.exists() {
+                return Err(invalid(
+                    "--config",
+                    format!("file {} does not exist", path.display()),
+                ));
+            }
+            fig = fig.merge(Toml::file(path));
+        }
+        let env: Vec<(String, String)> = env
+            .into_iter()
+            .filter(|(k, _)| k.starts_with("LEDGER__"))
+            .collect();
+        if !env.is_empty() {
+            // Figment reads only the process environment, so pass ours through
+            // a TOML document built from the pairs instead of mutating it.
+            fig = fig.merge(Toml::string(&env_to_toml(&env)?));
+        }
+        Self::from_figment(fig)
+    }
+
+    /// Loads from a TOML string merged over the defaults (used by tests).
+    pub fn from_toml_over_defaults(toml: &str) -> Result<Settings, ConfigError> {
+        Self::from_figment(Figment::from(Toml::string(DEFAULT_TOML)).merge(Toml::string(toml)))
+    }
+
+    fn from_figment(fig: Figment) -> Result<Settings, ConfigError> {
+        let raw: Raw = fig.extract().map_err(Box::new)?;
+        raw.validate()
+    }
+
+    pub fn biz(&self, biz: &BizType) -> Option<&BizSettings> {
+        self.biz.get(biz)
+    }
+
+    /// Development keys or secrets in effect (named, never printed in full).
+    pub fn development_secrets_in_use(&self) -> Vec<String> {
+        let mut found = Vec::new();
+        for key in &self.tokens.signing_keys {
+            if DEV_SECRETS.iter().any(|s| s.as_bytes() == key.secret) {
+                found.push(format!("tokens.signing_keys[{}]", key.id));
+            }
+        }
+        for client in &self.clients {
+            if crate::auth::DEV_KEY_HASHES.contains(&client.key_sha256_hex().as_str()) {
+                found.push(format!("clients[{}]", client.name));
+            }
+        }
+        found
+    }
+}
+
+/// Turns `LEDGER__A__B=value` pairs into a TOML document `[a] b = value`.
+/// Values that parse as TOML (numbers, booleans, arrays, inline tables) keep
+/// their type; anything else is a string.
+fn env_to_toml(env: &[(String, String)]) -> Result<String, ConfigError> {
+    let mut root = toml::Table::new();
+    for (key, value) in env {
+        let path: Vec<String> = key["LEDGER__".len()..]
+            .split("__")
+            .map(|p| p.to_ascii_lowercase())
+            .collect();
+        if path.iter().any(|p| p.is_empty()) {
+            return Err(invalid(key.clone(), "empty path segment"));
+        }
+        let parsed: toml::Value = format!("v = {value}")
+            .parse::<toml::Table>()
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .unwrap_or_else(|| toml::Value::String(value.clone()));
+        let mut table = &mut root;
+        for segment in &path[..path.len() - 1] {
+            let entry = table
+                .entry(segment.clone())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            table = match entry {
+                toml::Value::Table(t) => t,
+                _ => return Err(invalid(key.clone(), "conflicts with another variable")),
+            };
+        }
+        let last = path[path.len() - 1].clone();
+        table.insert(last, parsed);
+    }
+    toml::to_string(&root).map_err(|e| invalid("LEDGER__*", e.to_string()))
+}
+
+/// Parses `60s`, `10m`, `7d`, `250ms` (humantime).
+pub fn parse_duration(key: &str, text: &str) -> Result<Duration, ConfigError> {
+    humantime::parse_duration(text.trim()).map_err(|e| {
+        invalid(
+            key,
+            format!("`{text}` is not a duration ({e}); use e.g. 60s, 10m, 7d"),
+        )
+    })
+}
+
+/// Parses `100/s`, `6000/m`, `1000/h`: issues per second, rounded up.
+fn parse_rate(key: &str, text: &str) -> Result<NonZeroU32, ConfigError> {
+    let bad = || {
+        invalid(
+            key,
+            format!("`{text}` is not a rate; use e.g. 100/s or 600/m"),
+        )
+    };
+    let (n, unit) = text.trim().split_once('/').ok_or_else(bad)?;
+    let n: u64 = n.trim().parse().map_err(|_| bad())?;
+    let per = match unit.trim() {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        _ => return Err(bad()),
+    };
+    let per_second = n.div_ceil(per);
+    u32::try_from(per_second)
+        .ok()
+        .and_then(NonZeroU32::new)
+        .ok_or_else(bad)
+}
+
+fn is_key_id(id: &str) -> bool {
+    (1..=16).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+}
+
+impl Raw {
+    fn validate(self) -> Result<Settings, ConfigError> {
+        let listen: SocketAddr = self
+            .server
+            .listen
+            .parse()
+            .map_err(|_| invalid("server.listen", "expected host:port, e.g. 127.0.0.1:8080"))?;
+        if self.server.workers == Some(0) {
+            return Err(invalid("server.workers", "must be at least 1"));
+        }
+        let server = ServerSettings {
+            listen,
+            workers: self.server.workers,
+            shutdown_timeout: parse_duration(
+                "server.shutdown_timeout",
+                &self.server.shutdown_timeout,
+            )?,
+            log_format: self.server.log_format,
+        };
+
+        if !self.postgres.url.starts_with("postgres://")
+            && !self.postgres.url.starts_with("postgresql://")
+        {
+            return Err(invalid("postgres.url", "expected a postgres:// URL"));
+        }
+        if self.postgres.pool_size == 0 || self.postgres.admin_pool_size == 0 {
+            return Err(invalid(
+                "postgres.pool_size",
+                "pool sizes must be at least 1",
+            ));
+        }
+        let postgres = PostgresSettings {
+            url: self.postgres.url,
+            pool_size: self.postgres.pool_size,
+            admin_pool_size: self.postgres.admin_pool_size,
+            acquire_timeout: parse_duration(
+                "postgres.acquire_timeout",
+                &self.postgres.acquire_timeout,
+            )?,
+            statement_timeout: parse_duration(
+                "postgres.statement_timeout",
+                &self.postgres.statement_timeout,
+            )?,
+        };
+
+        let url = self.redis.url.filter(|u| !u.is_empty());
+        let nodes = self.redis.cluster_nodes.filter(|n| !n.is_empty());
+        let topology = match (url, nodes) {
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    "redis.cluster_nodes",
+                    "set either redis.url or redis.cluster_nodes, not both",
+                ))
+            }
+            (Some(url), None) => RedisTopology::Standalone(url),
+            (None, Some(nodes)) => RedisTopology::Cluster(nodes),
+            _ => return Err(invalid("redis.url", "set redis.url or redis.cluster_nodes")),
+        };
+        let check_url = |key: &str, url: &str| {
+            if url.starts_with("redis://") || url.starts_with("rediss://") {
+                Ok(())
+            } else {
+                Err(invalid(key, "expected a redis:// URL"))
+            }
+        };
+        match &topology {
+            RedisTopology::Standalone(url) => check_url("redis.url", url)?,
+            RedisTopology::Cluster(nodes) => {
+                for n in nodes {
+                    check_url("redis.cluster_nodes", n)?;
+                }
+            }
+        }
+        if self.redis.connections == 0 {
+            return Err(invalid("redis.connections", "must be at least 1"));
+        }
+        let redis = RedisSettings {
+            topology,
+            key_prefix: self.redis.key_prefix,
+            connections: self.redis.connections,
+            timeout: parse_duration("redis.timeout", &self.redis.timeout)?,
+            consumed_ttl: parse_duration("redis.consumed_ttl", &self.redis.consumed_ttl)?,
+            down_backoff: parse_duration("redis.down_backoff", &self.redis.down_backoff)?,
+        };
+
+        if self.tokens.signing_keys.is_empty() {
+            return Err(invalid(
+                "tokens.signing_keys",
+                "at least one key is required",
+            ));
+        }
+        let mut signing_keys = Vec::new();
+        for (i, k) in self.tokens.signing_keys.into_iter().enumerate() {
+            if !is_key_id(&k.id) {
+                return Err(invalid(
+                    format!("tokens.signing_keys[{i}].id"),
+                    "must be 1 to 16 characters of [A-Za-z0-9-]",
+                ));
+            }
+            if k.secret.len() < 32 {
+                return Err(invalid(
+                    format!("tokens.signing_keys[{i}].secret"),
+                    "must be at least 32 bytes",
+                ));
+            }
+            if signing_keys.iter().any(|s: &SigningKey| s.id == k.id) {
+                return Err(invalid(
+                    format!("tokens.signing_keys[{i}].id"),
+                    "duplicate key id",
+                ));
+            }
+            signing_keys.push(SigningKey {
+                id: k.id,
+                secret: k.secret.into_bytes(),
+            });
+        }
+        let tokens = TokenSettings {
+            signing_keys,
+            retention: parse_duration("tokens.retention", &self.tokens.retention)?,
+            provisional_ttl: parse_duration(
+                "tokens.provisional_ttl",
+                &self.tokens.provisional_ttl,
+            )?,
+            worker_lease_ttl: parse_duration(
+                "tokens.worker_lease_ttl",
+                &self.tokens.worker_lease_ttl,
+            )?,
+            issue_flush_interval: parse_duration(
+                "tokens.issue_flush_interval",
+                &self.tokens.issue_flush_interval,
+            )?,
+            issue_buffer: self.tokens.issue_buffer.max(1),
+        };
+        if tokens.worker_lease_ttl < Duration::from_secs(3) {
+            return Err(invalid("tokens.worker_lease_ttl", "must be at least 3s"));
+        }
+
+        let mut biz = BTreeMap::new();
+        for (name, b) in self.biz {
+            let key = format!("biz.{name}");
+            let biz_type = BizType::parse(&name)
+                .map_err(|_| invalid(&key, "biz type names match [a-z][a-z0-9-]{0,31}"))?;
+            let ttl = parse_duration(&format!("{key}.ttl"), &b.ttl)?;
+            if ttl < Duration::from_secs(1) || ttl > Duration::from_secs(366 * 86_400) {
+                return Err(invalid(format!("{key}.ttl"), "must be between 1s and 366d"));
+            }
+            let issue_rate = b
+                .issue_rate
+                .as_deref()
+                .map(|r| parse_rate(&format!("{key}.issue_rate"), r))
+                .transpose()?;
+            biz.insert(
+                biz_type,
+                BizSettings {
+                    ttl,
+                    durability: b.durability,
+                    issue_rate,
+                },
+            );
+        }
+
+        let mut clients: Vec<Client> = Vec::new();
+        for (i, c) in self.clients.into_iter().enumerate() {
+            let key = format!("clients[{i}]");
+            if c.name.is_empty() || c.name.len() > 64 {
+                return Err(invalid(format!("{key}.name"), "must be 1 to 64 characters"));
+            }
+            if clients.iter().any(|x| x.name == c.name) {
+                return Err(invalid(format!("{key}.name"), "duplicate client name"));
+            }
+            let hash = hex::decode(c.key_sha256.trim())
+                .ok()
+                .and_then(|v| <[u8; 32]>::try_from(v).ok())
+                .ok_or_else(|| invalid(format!("{key}.key_sha256"), "must be 64 hex digits"))?;
+            if clients.iter().any(|x| x.key_sha256 == hash) {
+                return Err(invalid(
+                    format!("{key}.key_sha256"),
+                    "two clients share one key",
+                ));
+            }
+            let mut grants = Vec::new();
+            for b in &c.biz_types {
+                let bt = BizType::parse(b).map_err(|_| {
+                    invalid(
+                        format!("{key}.biz_types"),
+                        format!("`{b}` is not a biz type name"),
+                    )
+                })?;
+                if !biz.contains_key(&bt) {
+                    return Err(invalid(
+                        format!("{key}.biz_types"),
+                        format!("`{b}` has no [biz.{b}] section"),
+                    ));
+                }
+                grants.push(bt);
+            }
+            clients.push(Client {
+                name: c.name,
+                role: c.role,
+                key_sha256: hash,
+                biz_types: grants,
+            });
+        }
+
+        let settings = Settings {
+            env: self.env,
+            server,
+            postgres,
+            redis,
+            tokens,
+            clients,
+            biz,
+        };
+        if settings.env == Environment::Production {
+            let dev = settings.development_secrets_in_use();
+            if !dev.is_empty() {
+                return Err(invalid(
+                    "env",
+                    format!(
+                        "production refuses development secrets still in effect: {}",
+                        dev.join(", ")
+                    ),
+                ));
+            }
+        }
+        Ok(settings)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_load() {
+        let s = Settings::load_with_env(None, Vec::new()).expect("defaults are valid");
+        assert_eq!(s.env, Environment::Development);
+        assert_eq!(s.biz.len(), 3);
+        assert_eq!(s.clients.len(), 4);
+        assert!(!s.development_secrets_in_use().is_empty());
+    }
+
+    #[test]
+    fn env_overrides_and_names_bad_keys() {
+        let s = Settings::load_with_env(
+            None,
+            vec![
+                ("LEDGER__BIZ__ORDER__TTL".into(), "90s".into()),
+                ("LEDGER__SERVER__LISTEN".into(), "127.0.0.1:9999".into()),
+            ],
+        )
+        .expect("valid");
+        assert_eq!(
+            s.biz[&BizType::parse("order").unwrap()].ttl,
+            Duration::from_secs(90)
+        );
+        assert_eq!(s.server.listen.port(), 9999);
+
+        let err = Settings::load_with_env(
+            None,
+            vec![("LEDGER__TOKENS__RETENTION".into(), "soon".into())],
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("tokens.retention"), "{err}");
+    }
+
+    #[test]
+    fn production_refuses_dev_secrets() {
+        let err = Settings::load_with_env(None, vec![("LEDGER__ENV".into(), "production".into())])
+            .unwrap_err();
+        assert!(err.to_string().contains("development"), "{err}");
+    }
+
+    #[test]
+    fn lists_replace_whole() {
+        let s = Settings::from_toml_over_defaults(
+            r#"
+            [[clients]]
+            name = "only"
+            role = "admin"
+            key_sha256 = "0000000000000000000000000000000000000000000000000000000000000000"
+            "#,
+        )
+        .expect("valid");
+        assert_eq!(s.clients.len(), 1);
+    }
+
+    #[test]
+    fn url_and_cluster_together_is_an_error() {
+        let err = Settings::from_toml_over_defaults(
+            "[redis]\ncluster_nodes = [\"redis://127.0.0.1:7000\"]",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("redis.cluster_nodes"), "{err}");
+    }
+
+    #[test]
+    fn rates() {
+        assert_eq!(parse_rate("k", "100/s").unwrap().get(), 100);
+        assert_eq!(parse_rate("k", "90/m").unwrap().get(), 2);
+        assert!(parse_rate("k", "0/s").is_err());
+        assert!(parse_rate("k", "fast").is_err());
+    }
+}

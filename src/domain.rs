@@ -1,0 +1,147 @@
+//! Validated request values ("parse, don't validate"): biz types, subjects,
+//! fingerprints, request ids, order ids. Each newtype can only hold a valid value.
+
+use std::fmt;
+
+/// Why a value was refused; the message names the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Invalid(pub String);
+
+/// A business type: `[a-z][a-z0-9-]{0,31}`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BizType(String);
+
+impl BizType {
+    pub fn parse(s: &str) -> Result<BizType, Invalid> {
+        let b = s.as_bytes();
+        let ok = !b.is_empty()
+            && b.len() <= 32
+            && b[0].is_ascii_lowercase()
+            && b.iter()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-');
+        if ok {
+            Ok(BizType(s.to_owned()))
+        } else {
+            Err(Invalid("`biz_type` must match [a-z][a-z0-9-]{0,31}".into()))
+        }
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for BizType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The user a token is bound to: 1 to 128 Unicode characters, no control characters.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Subject(String);
+
+impl Subject {
+    pub fn parse(s: &str) -> Result<Subject, Invalid> {
+        let n = s.chars().count();
+        if n == 0 || n > 128 || s.chars().any(char::is_control) {
+            return Err(Invalid(
+                "`subject` must be 1 to 128 characters without control characters".into(),
+            ));
+        }
+        Ok(Subject(s.to_owned()))
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+fn printable_ascii(field: &str, s: &str) -> Result<String, Invalid> {
+    if s.is_empty() || s.len() > 128 || !s.bytes().all(|b| (0x20..=0x7e).contains(&b)) {
+        return Err(Invalid(format!(
+            "`{field}` must be 1 to 128 printable ASCII characters"
+        )));
+    }
+    Ok(s.to_owned())
+}
+
+/// A hash of the business request body, chosen by the caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fingerprint(String);
+
+impl Fingerprint {
+    pub fn parse(s: &str) -> Result<Fingerprint, Invalid> {
+        printable_ascii("fingerprint", s).map(Fingerprint)
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// One attempt of the caller: retries of the same attempt carry the same id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestId(String);
+
+impl RequestId {
+    pub fn parse(s: &str) -> Result<RequestId, Invalid> {
+        printable_ascii("request_id", s).map(RequestId)
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// An order id: 1 to 64 characters of `[A-Za-z0-9_-]`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct OrderId(String);
+
+impl OrderId {
+    pub fn parse(s: &str) -> Result<OrderId, Invalid> {
+        let ok = !s.is_empty()
+            && s.len() <= 64
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if ok {
+            Ok(OrderId(s.to_owned()))
+        } else {
+            Err(Invalid(
+                "`order_id` must be 1 to 64 characters of [A-Za-z0-9_-]".into(),
+            ))
+        }
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn biz_types() {
+        assert!(BizType::parse("order").is_ok());
+        assert!(BizType::parse("a-1").is_ok());
+        assert!(BizType::parse(&"a".repeat(32)).is_ok());
+        for bad in ["", "Order", "1a", "a_b", &"a".repeat(33), "a b", "é"] {
+            assert!(BizType::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn subjects() {
+        assert!(Subject::parse("user-42").is_ok());
+        assert!(Subject::parse(&"é".repeat(128)).is_ok());
+        assert!(Subject::parse(&"é".repeat(129)).is_err());
+        assert!(Subject::parse("").is_err());
+        assert!(Subject::parse("a\nb").is_err());
+    }
+
+    #[test]
+    fn ascii_fields() {
+        assert!(Fingerprint::parse("sha256:abc").is_ok());
+        assert!(Fingerprint::parse("ü").is_err());
+        assert!(RequestId::parse(&"r".repeat(129)).is_err());
+        assert!(RequestId::parse("req 7").is_ok());
+    }
+}

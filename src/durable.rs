@@ -1,0 +1,127 @@
+//! The durable tier: Postgres. Owns the pools and every SQL statement
+//! ([`tokens`] for the token ledger, [`lease`] for snowflake worker ids,
+//! [`setup`] for database creation, migrations and start-up checks).
+//! Every hot statement touches one token or one order key.
+
+pub mod lease;
+pub mod setup;
+pub mod tokens;
+
+use std::time::Instant;
+
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+
+use crate::config::PostgresSettings;
+use crate::metrics::Metrics;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DurableError {
+    /// Postgres could not be reached or did not answer in time: nothing was
+    /// decided (or the outcome is unknown and the caller must retry).
+    #[error("postgres unavailable")]
+    Unavailable(#[source] sqlx::Error),
+    #[error("postgres")]
+    Other(#[source] sqlx::Error),
+}
+
+impl From<sqlx::Error> for DurableError {
+    fn from(e: sqlx::Error) -> Self {
+        let unavailable = match &e {
+            sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_)
+            | sqlx::Error::WorkerCrashed => true,
+            sqlx::Error::Database(db) => {
+                let code = db.code().unwrap_or_default();
+                // 08: connection exception; 57: operator intervention (query
+                // canceled by statement_timeout, admin shutdown); 53: out of
+                // resources; 40001/40P01: serialization failure and deadlock
+                // (retryable).
+                code.starts_with("08")
+                    || code.starts_with("57")
+                    || code.starts_with("53")
+                    || code == "40001"
+                    || code == "40P01"
+            }
+            _ => false,
+        };
+        if unavailable {
+            DurableError::Unavailable(e)
+        } else {
+            DurableError::Other(e)
+        }
+    }
+}
+
+impl DurableError {
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, DurableError::Unavailable(_))
+    }
+}
+
+/// The two pools: payments never wait behind admin queries.
+#[derive(Debug, Clone)]
+pub struct Pools {
+    /// Consumes, issuance records, order events, the journal.
+    pub hot: PgPool,
+    /// Audit queries, stats, reconciliation.
+    pub admin: PgPool,
+}
+
+/// Connection options every pool uses: durable commits and bounded statements.
+pub fn connect_options(settings: &PostgresSettings) -> Result<PgConnectOptions, sqlx::Error> {
+    let timeout_ms = settings.statement_timeout.as_millis().to_string();
+    let opts: PgConnectOptions = settings.url.parse()?;
+    Ok(opts.application_name("idempotency-ledger").options([
+        // Acknowledged consumes must survive a crash (DESIGN.md: with
+        // synchronous_commit off, 1 to 47 acknowledged commits were lost).
+        ("synchronous_commit", "on"),
+        ("statement_timeout", timeout_ms.as_str()),
+        ("lock_timeout", timeout_ms.as_str()),
+        ("idle_in_transaction_session_timeout", "30000"),
+    ]))
+}
+
+impl Pools {
+    /// Lazily connecting pools: the first query connects.
+    pub fn new(settings: &PostgresSettings) -> Result<Pools, sqlx::Error> {
+        let opts = connect_options(settings)?;
+        let hot = PgPoolOptions::new()
+            .max_connections(settings.pool_size)
+            .min_connections(0)
+            .acquire_timeout(settings.acquire_timeout)
+            .connect_lazy_with(opts.clone());
+        let admin = PgPoolOptions::new()
+            .max_connections(settings.admin_pool_size)
+            .min_connections(0)
+            .acquire_timeout(settings.acquire_timeout)
+            .connect_lazy_with(opts);
+        Ok(Pools { hot, admin })
+    }
+
+    pub async fn close(&self) {
+        self.hot.close().await;
+        self.admin.close().await;
+    }
+}
+
+/// Times one statement into `ledger_tier_duration_seconds{tier="postgres"}`.
+pub(crate) async fn timed<T, E, F>(
+    metrics: &Metrics,
+    op: &'static str,
+    f: F,
+) -> Result<T, DurableError>
+where
+    F: std::future::Future<Output = Result<T, E>>,
+    E: Into<DurableError>,
+{
+    let start = Instant::now();
+    let out = f.await;
+    metrics
+        .tier_duration
+        .with_label_values(&["postgres", op])
+        .observe(start.elapsed().as_secs_f64());
+    out.map_err(Into::into)
+}

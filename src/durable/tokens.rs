@@ -1,0 +1,419 @@
+//! Token statements. The consume is one statement: the primary key decides
+//! first use versus duplicate, `now()` decides expiry, and the audit row is
+//! written by the same statement, so either both happen or neither does.
+
+use std::collections::HashMap;
+
+use chrono::{DateTime, Utc};
+use serde_json::Value as Json;
+use sqlx::postgres::PgRow;
+use sqlx::{PgPool, Row};
+
+use super::DurableError;
+use crate::metrics::StatCounts;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::Type)]
+#[sqlx(type_name = "token_state", rename_all = "lowercase")]
+pub enum TokenState {
+    Issued,
+    Consumed,
+}
+
+/// Everything the signed token says, as a row.
+#[derive(Debug, Clone)]
+pub struct TokenRecord {
+    pub id: i64,
+    pub token: String,
+    pub biz_type: String,
+    /// "durable" or "fast".
+    pub durability: &'static str,
+    pub subject: String,
+    pub client: String,
+    pub issued_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+}
+
+/// The consumed state of a token as Postgres holds it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Existing {
+    pub state: TokenState,
+    pub consumed_at: Option<DateTime<Utc>>,
+    pub fingerprint: Option<String>,
+    pub request_id: Option<String>,
+    pub result: Option<Json>,
+    pub order_id: Option<String>,
+    pub expires_at: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum ConsumeRow {
+    /// This statement consumed it.
+    Won { consumed_at: DateTime<Utc> },
+    /// It was there already (consumed, or issued but past `now()`).
+    Existing(Existing),
+    /// No row, and the token is past `now()`: never consumed, expired.
+    Expired,
+}
+
+fn existing(row: &PgRow) -> Result<Existing, sqlx::Error> {
+    Ok(Existing {
+        state: row.try_get("state")?,
+        consumed_at: row.try_get("consumed_at")?,
+        fingerprint: row.try_get("fingerprint")?,
+        request_id: row.try_get("request_id")?,
+        result: row.try_get("result")?,
+        order_id: row.try_get("order_id")?,
+        expires_at: row.try_get("expires_at")?,
+    })
+}
+
+const SELECT_EXISTING: &str =
+    "SELECT state, consumed_at, fingerprint, request_id, result, order_id, expires_at
+                                 FROM tokens WHERE id = $1";
+
+/// Reads a token's state.
+pub async fn find(pool: &PgPool, id: i64) -> Result<Option<Existing>, DurableError> {
+    let row = sqlx::query(SELECT_EXISTING)
+        .bind(id)
+        .fetch_optional(pool)
+        .await?;
+    Ok(row.as_ref().map(existing).transpose()?)
+}
+
+/// The durable consume: one statement, one round trip.
+pub async fn consume(
+    pool: &PgPool,
+    rec: &TokenRecord,
+    fingerprint: Option<&str>,
+    request_id: Option<&str>,
+) -> Result<ConsumeRow, DurableError> {
+    let row = sqlx::query(
+        r#"
+        WITH claim AS (
+            INSERT INTO tokens AS t (id, token, biz_type, durability, subject, client, issued_at,
+                                     expires_at, state, consumed_at, fingerprint, request_id)
+            SELECT $1, $2, $3, $4::durability, $5, $6, $7, $8, 'consumed', now(), $9, $10
+             WHERE $8 > now()
+            ON CONFLICT (id) DO UPDATE
+               SET state = 'consumed', consumed_at = now(),
+                   fingerprint = EXCLUDED.fingerprint, request_id = EXCLUDED.request_id
+             WHERE t.state = 'issued' AND t.expires_at > now()
+            RETURNING t.consumed_at
+        ), audit AS (
+            INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, client, detail)
+            SELECT c.consumed_at, 'token.consumed', $1, $2, $5, $3, $6,
+                   jsonb_strip_nulls(jsonb_build_object('fingerprint', $9::text, 'request_id', $10::text))
+              FROM claim c
+        )
+        SELECT true AS won, 'consumed'::token_state AS state, c.consumed_at,
+               NULL::text AS fingerprint, NULL::text AS request_id, NULL::jsonb AS result,
+               NULL::text AS order_id, $8 AS expires_at
+          FROM claim c
+        UNION ALL
+        SELECT false, t.state, t.consumed_at, t.fingerprint, t.request_id, t.result, t.order_id, t.expires_at
+          FROM tokens t
+         WHERE t.id = $1 AND NOT EXISTS (SELECT 1 FROM claim)
+        "#,
+    )
+    .bind(rec.id)
+    .bind(&rec.token)
+    .bind(&rec.biz_type)
+    .bind(rec.durability)
+    .bind(&rec.subject)
+    .bind(&rec.client)
+    .bind(rec.issued_at)
+    .bind(rec.expires_at)
+    .bind(fingerprint)
+    .bind(request_id)
+    .fetch_optional(pool)
+    .await?;
+    match row {
+        Some(r) if r.try_get::<bool, _>("won")? => Ok(ConsumeRow::Won {
+            consumed_at: r.try_get("consumed_at")?,
+        }),
+        Some(r) => Ok(ConsumeRow::Existing(existing(&r)?)),
+        // Nothing claimed and nothing in our snapshot: either the token is
+        // expired and unknown, or a concurrent consume committed the row after
+        // our snapshot was taken. A fresh read tells them apart.
+        None => match find(pool, rec.id).await? {
+            Some(e) => Ok(ConsumeRow::Existing(e)),
+            None => Ok(ConsumeRow::Expired),
+        },
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum ResultRow {
+    Recorded,
+    Existing(Existing),
+    Unknown,
+}
+
+/// Records the business result of a consumed token, with its audit row.
+pub async fn set_result(pool: &PgPool, id: i64, result: &Json) -> Result<ResultRow, DurableError> {
+    let row = sqlx::query(
+        r#"
+        WITH upd AS (
+            UPDATE tokens SET result = $2, result_at = now()
+             WHERE id = $1 AND state = 'consumed' AND result IS NULL
+            RETURNING id, token, subject, biz_type, client
+        ), audit AS (
+            INSERT INTO audit_events (kind, token_id, token, subject, biz_type, client, detail)
+            SELECT 'token.result', u.id, u.token, u.subject, u.biz_type, u.client, jsonb_build_object('result', $2)
+              FROM upd u
+        )
+        SELECT true AS recorded FROM upd
+        "#,
+    )
+    .bind(id)
+    .bind(result)
+    .fetch_optional(pool)
+    .await?;
+    if row.is_some() {
+        return Ok(ResultRow::Recorded);
+    }
+    Ok(match find(pool, id).await? {
+        Some(e) => ResultRow::Existing(e),
+        None => ResultRow::Unknown,
+    })
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReleaseRow {
+    Released { expires_at: DateTime<Utc> },
+    Existing(Existing),
+    Unknown,
+}
+
+/// Returns a consumed token with no result and no order event to issued.
+pub async fn release(pool: &PgPool, id: i64) -> Result<ReleaseRow, DurableError> {
+    let row = sqlx::query(
+        r#"
+        WITH rel AS (
+            UPDATE tokens
+               SET state = 'issued', consumed_at = NULL, fingerprint = NULL, request_id = NULL
+             WHERE id = $1 AND state = 'consumed' AND result IS NULL AND order_id IS NULL
+            RETURNING id, token, subject, biz_type, client, expires_at
+        ), audit AS (
+            INSERT INTO audit_events (kind, token_id, token, subject, biz_type, client)
+            SELECT 'token.released', r.id, r.token, r.subject, r.biz_type, r.client FROM rel r
+        )
+        SELECT expires_at FROM rel
+        "#,
+    )
+    .bind(id)
+    .fetch_optional(pool)
+    .await?;
+    if let Some(r) = row {
+        return Ok(ReleaseRow::Released {
+            expires_at: r.try_get("expires_at")?,
+        });
+    }
+    Ok(match find(pool, id).await? {
+        Some(e) => ReleaseRow::Existing(e),
+        None => ReleaseRow::Unknown,
+    })
+}
+
+/// Writes a batch of issuance records and their `token.issued` audit rows.
+/// Idempotent: a token a consume already inserted keeps its row, and each
+/// token gets one `token.issued` event however often the batch is retried.
+pub async fn insert_issued(pool: &PgPool, batch: &[TokenRecord]) -> Result<(), DurableError> {
+    if batch.is_empty() {
+        return Ok(());
+    }
+    let mut ids = Vec::with_capacity(batch.len());
+    let mut tokens = Vec::with_capacity(batch.len());
+    let mut biz = Vec::with_capacity(batch.len());
+    let mut dur = Vec::with_capacity(batch.len());
+    let mut subjects = Vec::with_capacity(batch.len());
+    let mut clients = Vec::with_capacity(batch.len());
+    let mut issued = Vec::with_capacity(batch.len());
+    let mut expires = Vec::with_capacity(batch.len());
+    for r in batch {
+        ids.push(r.id);
+        tokens.push(r.token.as_str());
+        biz.push(r.biz_type.as_str());
+        dur.push(r.durability);
+        subjects.push(r.subject.as_str());
+        clients.push(r.client.as_str());
+        issued.push(r.issued_at);
+        expires.push(r.expires_at);
+    }
+    sqlx::query(
+        r#"
+        WITH r AS (
+            SELECT * FROM UNNEST($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[],
+                                 $6::text[], $7::timestamptz[], $8::timestamptz[])
+                       AS r(id, token, biz_type, durability, subject, client, issued_at, expires_at)
+        ), ins AS (
+            INSERT INTO tokens (id, token, biz_type, durability, subject, client, issued_at, expires_at)
+            SELECT id, token, biz_type, durability::durability, subject, client, issued_at, expires_at FROM r
+            ON CONFLICT (id) DO NOTHING
+        )
+        INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, client, detail)
+        SELECT issued_at, 'token.issued', id, token, subject, biz_type, client,
+               jsonb_build_object('expires_at', expires_at, 'durability', durability)
+          FROM r
+        ON CONFLICT (token_id) WHERE kind = 'token.issued' DO NOTHING
+        "#,
+    )
+    .bind(&ids)
+    .bind(&tokens)
+    .bind(&biz)
+    .bind(&dur)
+    .bind(&subjects)
+    .bind(&clients)
+    .bind(&issued)
+    .bind(&expires)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// A fast-type consume taken from the journal stream.
+#[derive(Debug, Clone)]
+pub struct JournalConsume {
+    pub record: TokenRecord,
+    pub consumed_at: DateTime<Utc>,
+    pub fingerprint: Option<String>,
+    pub request_id: Option<String>,
+}
+
+/// Applies journaled fast consumes in one statement; re-applying is a no-op.
+pub async fn apply_journal_consumes(
+    pool: &PgPool,
+    batch: &[JournalConsume],
+) -> Result<u64, DurableError> {
+    if batch.is_empty() {
+        return Ok(0);
+    }
+    // One row per token: ON CONFLICT DO UPDATE may not touch a row twice.
+    let mut seen = std::collections::HashSet::new();
+    let batch: Vec<&JournalConsume> = batch.iter().filter(|c| seen.insert(c.record.id)).collect();
+    let n = batch.len();
+    let (mut ids, mut tokens, mut biz, mut subjects, mut clients) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    let (mut issued, mut expires, mut consumed, mut fps, mut rids) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    for c in &batch {
+        ids.push(c.record.id);
+        tokens.push(c.record.token.as_str());
+        biz.push(c.record.biz_type.as_str());
+        subjects.push(c.record.subject.as_str());
+        clients.push(c.record.client.as_str());
+        issued.push(c.record.issued_at);
+        expires.push(c.record.expires_at);
+        consumed.push(c.consumed_at);
+        fps.push(c.fingerprint.as_deref());
+        rids.push(c.request_id.as_deref());
+    }
+    let done = sqlx::query(
+        r#"
+        WITH r AS (
+            SELECT * FROM UNNEST($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[],
+                                 $6::timestamptz[], $7::timestamptz[], $8::timestamptz[], $9::text[], $10::text[])
+                       AS r(id, token, biz_type, subject, client, issued_at, expires_at, consumed_at, fingerprint, request_id)
+        ), ins AS (
+            INSERT INTO tokens AS t (id, token, biz_type, durability, subject, client, issued_at, expires_at,
+                                     state, consumed_at, fingerprint, request_id)
+            SELECT id, token, biz_type, 'fast', subject, client, issued_at, expires_at,
+                   'consumed', consumed_at, fingerprint, request_id FROM r
+            ON CONFLICT (id) DO UPDATE
+               SET state = 'consumed', consumed_at = EXCLUDED.consumed_at,
+                   fingerprint = EXCLUDED.fingerprint, request_id = EXCLUDED.request_id
+             WHERE t.state = 'issued'
+            RETURNING t.id
+        )
+        INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, client, detail)
+        SELECT r.consumed_at, 'token.consumed', r.id, r.token, r.subject, r.biz_type, r.client,
+               jsonb_strip_nulls(jsonb_build_object('fingerprint', r.fingerprint, 'request_id', r.request_id,
+                                                    'via', 'journal'))
+          FROM r JOIN ins USING (id)
+        "#,
+    )
+    .bind(&ids)
+    .bind(&tokens)
+    .bind(&biz)
+    .bind(&subjects)
+    .bind(&clients)
+    .bind(&issued)
+    .bind(&expires)
+    .bind(&consumed)
+    .bind(&fps)
+    .bind(&rids)
+    .execute(pool)
+    .await?
+    .rows_affected();
+    Ok(done)
+}
+
+/// Adds duplicate-attempt counts seen since the last flush.
+pub async fn add_duplicates(pool: &PgPool, counts: &HashMap<i64, i64>) -> Result<(), DurableError> {
+    if counts.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<i64> = counts.keys().copied().collect();
+    let ns: Vec<i64> = ids.iter().map(|i| counts[i]).collect();
+    sqlx::query(
+        "UPDATE tokens t SET duplicate_attempts = t.duplicate_attempts + c.n
+           FROM UNNEST($1::bigint[], $2::bigint[]) AS c(id, n) WHERE t.id = c.id",
+    )
+    .bind(&ids)
+    .bind(&ns)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Adds this instance's counters into the fleet-wide per-minute table.
+pub async fn flush_stats(
+    pool: &PgPool,
+    minute: DateTime<Utc>,
+    counts: &HashMap<String, StatCounts>,
+) -> Result<(), DurableError> {
+    if counts.is_empty() {
+        return Ok(());
+    }
+    let mut biz = Vec::new();
+    let (mut a, mut b, mut c, mut d, mut e) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (k, v) in counts {
+        biz.push(k.as_str());
+        a.push(v.issued);
+        b.push(v.consumed);
+        c.push(v.duplicates);
+        d.push(v.expired);
+        e.push(v.invalid);
+    }
+    sqlx::query(
+        r#"
+        INSERT INTO stats_minutely AS s (minute, biz_type, issued, consumed, duplicates, expired, invalid)
+        SELECT $1, * FROM UNNEST($2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[], $7::bigint[])
+        ON CONFLICT (minute, biz_type) DO UPDATE
+           SET issued = s.issued + EXCLUDED.issued, consumed = s.consumed + EXCLUDED.consumed,
+               duplicates = s.duplicates + EXCLUDED.duplicates, expired = s.expired + EXCLUDED.expired,
+               invalid = s.invalid + EXCLUDED.invalid
+        "#,
+    )
+    .bind(minute)
+    .bind(&biz)
+    .bind(&a)
+    .bind(&b)
+    .bind(&c)
+    .bind(&d)
+    .bind(&e)
+    .execute(pool)
+    .await?;
+    Ok(())
+}

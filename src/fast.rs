@@ -1,0 +1,624 @@
+//! The fast tier: Redis. One Lua script per operation, each touching one
+//! token's key (the token text is the key's hash tag, so a token's keys share a
+//! cluster slot). For durable biz types Redis only turns duplicates away and
+//! holds provisional markers; for fast biz types it decides, and appends what
+//! it decided to the journal stream that [`crate::journal`] drains into
+//! Postgres. Every call is bounded by `redis.timeout`; an error or timeout opens
+//! a short circuit breaker so that a dead Redis costs nothing per request.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
+use tokio::sync::OnceCell;
+
+use crate::config::{RedisSettings, RedisTopology};
+use crate::metrics::Metrics;
+
+#[derive(Debug, thiserror::Error)]
+pub enum FastError {
+    /// Skipped without trying: the breaker is open or no connection exists yet.
+    #[error("redis is marked down")]
+    Down,
+    #[error("redis call timed out")]
+    Timeout,
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error("redis answered something unexpected: {0}")]
+    Protocol(String),
+}
+
+/// A connection to a standalone Redis or a cluster.
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(cmd, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// What the consume script found or did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScriptOutcome {
+    /// Fast mode: consumed now (journal appended).
+    Won { at_ms: i64 },
+    /// Durable mode: our provisional marker is set; Postgres decides.
+    Claimed,
+    /// Consumed before.
+    Consumed(Marker),
+    /// Another attempt holds a live provisional marker.
+    Provisional(Marker),
+    /// No key.
+    Miss,
+    /// Peek: live and unconsumed.
+    Issued,
+}
+
+/// The fields of a consumed or provisional marker.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Marker {
+    pub at_ms: i64,
+    pub request_id: Option<String>,
+    pub fingerprint: Option<String>,
+    pub result: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConsumeMode {
+    Durable,
+    Fast,
+    Peek,
+}
+
+/// The arguments of one consume attempt.
+#[derive(Debug, Clone)]
+pub struct Attempt<'a> {
+    pub owner: &'a str,
+    pub request_id: Option<&'a str>,
+    pub fingerprint: Option<&'a str>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FastWrite {
+    Recorded,
+    Same,
+    Conflict(String),
+    NotConsumed,
+    Released,
+    NotReleasable,
+    Miss,
+}
+
+struct Scripts {
+    consume: Script,
+    settle: Script,
+    fast_write: Script,
+    issue: Script,
+}
+
+pub struct FastTier {
+    settings: RedisSettings,
+    conns: OnceCell<Vec<Conn>>,
+    next: AtomicUsize,
+    /// Unix ms until which Redis is skipped (the breaker is open).
+    down_until_ms: AtomicI64,
+    /// Whether the last probe or call failed.
+    down: AtomicBool,
+    scripts: Scripts,
+    metrics: Arc<Metrics>,
+    cluster: bool,
+}
+
+impl std::fmt::Debug for FastTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FastTier")
+            .field("prefix", &self.settings.key_prefix)
+            .field("down", &self.down.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+fn opt(s: &str) -> Option<String> {
+    (!s.is_empty()).then(|| s.to_owned())
+}
+
+impl FastTier {
+    /// Creates the tier without connecting: connections are made lazily, so
+    /// the service starts while Redis is down.
+    pub fn new(settings: RedisSettings, metrics: Arc<Metrics>) -> Arc<FastTier> {
+        let cluster = matches!(settings.topology, RedisTopology::Cluster(_));
+        Arc::new(FastTier {
+            settings,
+            conns: OnceCell::new(),
+            next: AtomicUsize::new(0),
+            down_until_ms: AtomicI64::new(0),
+            down: AtomicBool::new(false),
+            scripts: Scripts {
+                consume: Script::new(include_str!("lua/consume.lua")),
+                settle: Script::new(include_str!("lua/settle.lua")),
+                fast_write: Script::new(include_str!("lua/fast_write.lua")),
+                issue: Script::new(include_str!("lua/issue.lua")),
+            },
+            metrics,
+            cluster,
+        })
+    }
+
+    async fn connect(&self) -> Result<Vec<Conn>, redis::RedisError> {
+        let timeout = self.settings.timeout;
+        match &self.settings.topology {
+            RedisTopology::Standalone(url) => {
+                let client = redis::Client::open(url.as_str())?;
+                let config = ConnectionManagerConfig::new()
+                    .set_response_timeout(Some(timeout))
+                    .set_connection_timeout(Some(timeout.max(Duration::from_millis(500))))
+                    .set_number_of_retries(1)
+                    .set_max_delay(Duration::from_millis(500));
+                let mut conns = Vec::new();
+                for _ in 0..self.settings.connections {
+                    conns.push(Conn::Single(ConnectionManager::new_lazy_with_config(
+                        client.clone(),
+                        config.clone(),
+                    )?));
+                }
+                Ok(conns)
+            }
+            RedisTopology::Cluster(nodes) => {
+                let client = redis::cluster::ClusterClientBuilder::new(nodes.clone())
+                    .response_timeout(timeout)
+                    .connection_timeout(timeout.max(Duration::from_millis(500)))
+                    .retries(1)
+                    .build()?;
+                let conn = client.get_async_connection().await?;
+                Ok(vec![Conn::Cluster(conn)])
+            }
+        }
+    }
+
+    async fn conn(&self) -> Result<Conn, FastError> {
+        if self.down_until_ms.load(Ordering::Relaxed) > now_ms() {
+            return Err(FastError::Down);
+        }
+        let conns = match self.conns.get() {
+            Some(c) => c,
+            None => match tokio::time::timeout(
+                self.settings.timeout.max(Duration::from_millis(500)),
+                self.conns.get_or_try_init(|| self.connect()),
+            )
+            .await
+            {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => {
+                    self.trip();
+                    return Err(e.into());
+                }
+                Err(_) => {
+                    self.trip();
+                    return Err(FastError::Timeout);
+                }
+            },
+        };
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % conns.len();
+        Ok(conns[i].clone())
+    }
+
+    /// Opens the breaker for `down_backoff`.
+    fn trip(&self) {
+        let was_down = self.down.swap(true, Ordering::Relaxed);
+        let backoff = i64::try_from(self.settings.down_backoff.as_millis()).unwrap_or(1000);
+        self.down_until_ms
+            .store(now_ms() + backoff, Ordering::Relaxed);
+        if !was_down {
+            tracing::warn!("redis unreachable or too slow: skipping it (mode redis_down)");
+        }
+    }
+
+    fn healthy(&self) {
+        if self.down.swap(false, Ordering::Relaxed) {
+            tracing::info!("redis reachable again (mode normal)");
+        }
+    }
+
+    /// Is Redis considered down right now?
+    pub fn is_down(&self) -> bool {
+        self.down.load(Ordering::Relaxed)
+    }
+
+    /// Runs one call with the tier's timeout, breaker and metrics.
+    async fn call<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T, FastError>
+    where
+        F: FnOnce(Conn) -> Fut,
+        Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
+    {
+        let conn = match self.conn().await {
+            Ok(c) => c,
+            Err(e) => {
+                self.metrics
+                    .fast_tier_total
+                    .with_label_values(&["error"])
+                    .inc();
+                return Err(e);
+            }
+        };
+        let start = Instant::now();
+        let out = tokio::time::timeout(self.settings.timeout, f(conn)).await;
+        self.metrics
+            .tier_duration
+            .with_label_values(&["redis", op])
+            .observe(start.elapsed().as_secs_f64());
+        match out {
+            Ok(Ok(v)) => {
+                self.healthy();
+                Ok(v)
+            }
+            Ok(Err(e)) => {
+                // A script error is our bug, not an outage; anything else is.
+                if e.kind() != redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) {
+                    self.trip();
+                }
+                self.metrics
+                    .fast_tier_total
+                    .with_label_values(&["error"])
+                    .inc();
+                Err(e.into())
+            }
+            Err(_) => {
+                self.trip();
+                self.metrics
+                    .fast_tier_total
+                    .with_label_values(&["error"])
+                    .inc();
+                Err(FastError::Timeout)
+            }
+        }
+    }
+
+    pub fn token_key(&self, token: &str) -> String {
+        format!("{}tok:{{{}}}", self.settings.key_prefix, token)
+    }
+
+    pub fn journal_key(&self) -> String {
+        format!("{}journal", self.settings.key_prefix)
+    }
+
+    /// Whether scripts may append to the journal stream in the same call.
+    /// On a cluster the stream lives in another slot, so the journal entry is
+    /// written by a second command instead.
+    pub fn journal_in_script(&self) -> bool {
+        !self.cluster
+    }
+
+    pub fn consumed_ttl_ms(&self) -> i64 {
+        i64::try_from(self.settings.consumed_ttl.as_millis()).unwrap_or(i64::MAX)
+    }
+
+    /// Seeds a freshly issued token with a relative TTL.
+    pub async fn seed(&self, token: &str, ttl_ms: i64) -> Result<(), FastError> {
+        let key = self.token_key(token);
+        let script = &self.scripts.issue;
+        self.call("issue", |mut c| async move {
+            script
+                .key(key)
+                .arg(ttl_ms.max(1))
+                .invoke_async::<i64>(&mut c)
+                .await
+                .map(|_| ())
+        })
+        .await
+    }
+
+    /// Runs the consume script. `journal` holds the journal entry's fields
+    /// (fast mode on a standalone Redis).
+    pub async fn consume(
+        &self,
+        token: &str,
+        mode: ConsumeMode,
+        attempt: &Attempt<'_>,
+        provisional_ms: i64,
+        journal: &[(&str, String)],
+    ) -> Result<ScriptOutcome, FastError> {
+        let key = self.token_key(token);
+        let journal_key = self.journal_key();
+        let script = &self.scripts.consume;
+        let mode_arg = match mode {
+            ConsumeMode::Durable => "durable",
+            ConsumeMode::Fast => "fast",
+            ConsumeMode::Peek => "peek",
+        };
+        let append = mode == ConsumeMode::Fast && self.journal_in_script() && !journal.is_empty();
+        let consumed_ttl = self.consumed_ttl_ms();
+        let reply: Vec<String> = self
+            .call("consume", |mut c| async move {
+                let mut inv = script.key(key);
+                if append {
+                    inv.key(journal_key);
+                }
+                inv.arg(mode_arg)
+                    .arg(attempt.owner)
+                    .arg(provisional_ms)
+                    .arg(attempt.request_id.unwrap_or(""))
+                    .arg(attempt.fingerprint.unwrap_or(""))
+                    .arg(consumed_ttl)
+                    .arg(if append { "1" } else { "0" });
+                if append {
+                    for (k, v) in journal {
+                        inv.arg(*k).arg(v.as_str());
+                    }
+                }
+                inv.invoke_async(&mut c).await
+            })
+            .await?;
+        let outcome = parse_consume_reply(&reply)?;
+        let label = match outcome {
+            ScriptOutcome::Miss => "miss",
+            _ => "hit",
+        };
+        self.metrics
+            .fast_tier_total
+            .with_label_values(&[label])
+            .inc();
+        if append {
+            if let ScriptOutcome::Won { .. } = outcome {
+                return Ok(outcome);
+            }
+        } else if let (ScriptOutcome::Won { at_ms }, ConsumeMode::Fast) = (&outcome, mode) {
+            // Cluster: the journal stream is in another slot.
+            if !journal.is_empty() {
+                let mut entry: Vec<(&str, String)> = journal.to_vec();
+                entry.push(("at", at_ms.to_string()));
+                self.append_journal(&entry).await?;
+            }
+        }
+        Ok(outcome)
+    }
+
+    /// Appends one entry to the journal stream (cluster mode, or repairs).
+    pub async fn append_journal(&self, fields: &[(&str, String)]) -> Result<(), FastError> {
+        let key = self.journal_key();
+        self.call("journal", |mut c| async move {
+            let mut cmd = redis::cmd("XADD");
+            cmd.arg(key).arg("*");
+            for (k, v) in fields {
+                cmd.arg(*k).arg(v.as_str());
+            }
+            cmd.query_async::<String>(&mut c).await.map(|_| ())
+        })
+        .await
+    }
+
+    /// Writes Postgres's decision back (see `settle.lua`).
+    pub async fn settle_consumed(&self, token: &str, marker: &Marker) -> Result<(), FastError> {
+        self.settle(token, "consumed", "", self.consumed_ttl_ms(), Some(marker))
+            .await
+    }
+
+    /// Our provisional marker goes back to issued with `remaining_ms` to live.
+    pub async fn unclaim(
+        &self,
+        token: &str,
+        owner: &str,
+        remaining_ms: i64,
+    ) -> Result<(), FastError> {
+        self.settle(token, "unclaim", owner, remaining_ms, None)
+            .await
+    }
+
+    /// Adds a recorded result to a consumed marker (if Redis has one).
+    pub async fn settle_result(&self, token: &str, result: &str) -> Result<(), FastError> {
+        let marker = Marker {
+            result: Some(result.to_owned()),
+            ..Marker::default()
+        };
+        self.settle(token, "result", "", 0, Some(&marker)).await
+    }
+
+    /// Sets the token to issued (after a release) with `remaining_ms` to live.
+    pub async fn set_issued(&self, token: &str, remaining_ms: i64) -> Result<(), FastError> {
+        self.settle(token, "issued", "", remaining_ms, None).await
+    }
+
+    /// Deletes a token's key (before a durable release, so Postgres decides).
+    pub async fn forget(&self, token: &str) -> Result<(), FastError> {
+        let key = self.token_key(token);
+        self.call("forget", |mut c| async move {
+            redis::cmd("DEL")
+                .arg(key)
+                .query_async::<i64>(&mut c)
+                .await
+                .map(|_| ())
+        })
+        .await
+    }
+
+    async fn settle(
+        &self,
+        token: &str,
+        op: &'static str,
+        owner: &str,
+        ttl_ms: i64,
+        marker: Option<&Marker>,
+    ) -> Result<(), FastError> {
+        let key = self.token_key(token);
+        let script = &self.scripts.settle;
+        let m = marker.cloned().unwrap_or_default();
+        self.call("settle", |mut c| async move {
+            script
+                .key(key)
+                .arg(op)
+                .arg(owner)
+                .arg(ttl_ms)
+                .arg(m.at_ms)
+                .arg(m.request_id.as_deref().unwrap_or(""))
+                .arg(m.fingerprint.as_deref().unwrap_or(""))
+                .arg(m.result.as_deref().unwrap_or(""))
+                .invoke_async::<i64>(&mut c)
+                .await
+                .map(|_| ())
+        })
+        .await
+    }
+
+    /// Result or release of a fast biz type (see `fast_write.lua`).
+    pub async fn fast_write(
+        &self,
+        token: &str,
+        op: &'static str,
+        arg: String,
+        journal: &[(&str, String)],
+    ) -> Result<FastWrite, FastError> {
+        let key = self.token_key(token);
+        let journal_key = self.journal_key();
+        let script = &self.scripts.fast_write;
+        let append = self.journal_in_script() && !journal.is_empty();
+        let reply: Vec<String> = self
+            .call("fast_write", |mut c| async move {
+                let mut inv = script.key(key);
+                if append {
+                    inv.key(journal_key);
+                }
+                inv.arg(op).arg(arg).arg(if append { "1" } else { "0" });
+                if append {
+                    for (k, v) in journal {
+                        inv.arg(*k).arg(v.as_str());
+                    }
+                }
+                inv.invoke_async(&mut c).await
+            })
+            .await?;
+        let kind = reply.first().map(String::as_str).unwrap_or("");
+        let detail = reply.get(1).cloned().unwrap_or_default();
+        let out = match kind {
+            "recorded" => FastWrite::Recorded,
+            "same" => FastWrite::Same,
+            "conflict" => FastWrite::Conflict(detail),
+            "not_consumed" => FastWrite::NotConsumed,
+            "released" => FastWrite::Released,
+            "not_releasable" => FastWrite::NotReleasable,
+            "miss" => FastWrite::Miss,
+            other => {
+                return Err(FastError::Protocol(format!(
+                    "fast_write answered {other:?}"
+                )))
+            }
+        };
+        if !append
+            && matches!(out, FastWrite::Recorded | FastWrite::Released)
+            && !journal.is_empty()
+        {
+            self.append_journal(journal).await?;
+        }
+        Ok(out)
+    }
+
+    /// One probe: PING, bounded by the timeout. Closes the breaker on success.
+    pub async fn probe(&self) -> bool {
+        // Bypass the breaker for the probe itself.
+        self.down_until_ms.store(0, Ordering::Relaxed);
+        self.call("ping", |mut c| async move {
+            redis::cmd("PING")
+                .query_async::<String>(&mut c)
+                .await
+                .map(|_| ())
+        })
+        .await
+        .is_ok()
+    }
+
+    /// `CONFIG GET maxmemory-policy` (standalone only); `None` when unknown.
+    pub async fn maxmemory_policy(&self) -> Option<String> {
+        if self.cluster {
+            return None;
+        }
+        let reply: Result<Vec<String>, _> = self
+            .call("config", |mut c| async move {
+                redis::cmd("CONFIG")
+                    .arg("GET")
+                    .arg("maxmemory-policy")
+                    .query_async(&mut c)
+                    .await
+            })
+            .await;
+        reply.ok().and_then(|v| v.get(1).cloned())
+    }
+
+    /// A raw connection for the journal drainer and tests of this module.
+    pub(crate) async fn raw<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T, FastError>
+    where
+        F: FnOnce(RawConn) -> Fut,
+        Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
+    {
+        self.call(op, |c| f(RawConn(c))).await
+    }
+}
+
+/// A connection handed to code outside this module (journal).
+#[derive(Clone)]
+pub struct RawConn(Conn);
+
+impl ConnectionLike for RawConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        self.0.req_packed_command(cmd)
+    }
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        self.0.req_packed_commands(cmd, offset, count)
+    }
+    fn get_db(&self) -> i64 {
+        self.0.get_db()
+    }
+}
+
+fn parse_consume_reply(reply: &[String]) -> Result<ScriptOutcome, FastError> {
+    let field = |i: usize| reply.get(i).map(String::as_str).unwrap_or("");
+    let marker = || Marker {
+        at_ms: field(1).parse().unwrap_or(0),
+        request_id: opt(field(2)),
+        fingerprint: opt(field(3)),
+        result: opt(field(4)),
+    };
+    Ok(match field(0) {
+        "won" => ScriptOutcome::Won {
+            at_ms: field(1).parse().unwrap_or_else(|_| now_ms()),
+        },
+        "claimed" => ScriptOutcome::Claimed,
+        "consumed" => ScriptOutcome::Consumed(marker()),
+        "provisional" => ScriptOutcome::Provisional(marker()),
+        "miss" => ScriptOutcome::Miss,
+        "issued" => ScriptOutcome::Issued,
+        other => return Err(FastError::Protocol(format!("consume answered {other:?}"))),
+    })
+}

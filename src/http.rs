@@ -1,0 +1,116 @@
+//! The HTTP surface of API.md: routes ([`tokens`], [`ops`]), extractors
+//! ([`extract`]), the error body ([`error`]) and the generated OpenAPI
+//! description ([`openapi`]). Handlers receive the ledger, never a pool.
+
+pub mod error;
+pub mod extract;
+pub mod openapi;
+pub mod ops;
+pub mod tokens;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix_web::body::MessageBody;
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::header::{HeaderName, HeaderValue};
+use actix_web::middleware::Next;
+use actix_web::{web, HttpMessage, HttpResponse};
+use serde::Serialize;
+use tracing::Instrument;
+use utoipa::ToSchema;
+
+use crate::auth::Clients;
+use crate::ledger::Ledger;
+use error::ApiError;
+
+/// What every handler can reach.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub ledger: Arc<Ledger>,
+    pub clients: Clients,
+}
+
+/// The error body of every refusal.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorBody {
+    /// A stable code, e.g. `token_invalid`.
+    pub error: String,
+    /// For humans.
+    pub message: String,
+}
+
+async fn not_found() -> Result<HttpResponse, ApiError> {
+    Err(ApiError::not_found())
+}
+
+async fn method_not_allowed() -> Result<HttpResponse, ApiError> {
+    Err(ApiError::method_not_allowed())
+}
+
+/// One resource with its methods; other methods answer 405 in our error shape.
+fn resource(path: &str) -> actix_web::Resource {
+    web::resource(path).default_service(web::to(method_not_allowed))
+}
+
+/// Registers every route.
+pub fn routes(cfg: &mut web::ServiceConfig) {
+    cfg.service(resource("/healthz").route(web::get().to(ops::healthz)))
+        .service(resource("/readyz").route(web::get().to(ops::readyz)))
+        .service(resource("/metrics").route(web::get().to(ops::metrics)))
+        .service(resource("/openapi.json").route(web::get().to(ops::openapi)))
+        .service(resource("/api/token/generate").route(web::get().to(tokens::generate)))
+        .service(resource("/v1/tokens").route(web::post().to(tokens::issue)))
+        .service(resource("/v1/tokens/{token}/consume").route(web::post().to(tokens::consume)))
+        .service(resource("/v1/tokens/{token}/result").route(web::post().to(tokens::result)))
+        .service(resource("/v1/tokens/{token}/release").route(web::post().to(tokens::release)))
+        .default_service(web::to(not_found));
+}
+
+/// Request id, a tracing span per request, and the latency histogram by
+/// route pattern (never by raw path, which holds tokens).
+pub async fn observe(
+    req: ServiceRequest,
+    next: Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let request_id = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map(str::to_owned)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+    let endpoint = req
+        .match_pattern()
+        .unwrap_or_else(|| "unmatched".to_owned());
+    let method = req.method().to_string();
+    let state = req.app_data::<web::Data<AppState>>().cloned();
+    let span = tracing::info_span!("request", %request_id, %method, route = %endpoint);
+    let start = Instant::now();
+    let res = next.call(req).instrument(span.clone()).await;
+    let elapsed = start.elapsed();
+    if let Some(state) = state {
+        state
+            .ledger
+            .metrics()
+            .request_duration
+            .with_label_values(&[endpoint.as_str()])
+            .observe(elapsed.as_secs_f64());
+    }
+    let mut res = res?;
+    let status = res.status().as_u16();
+    let client = res
+        .request()
+        .extensions()
+        .get::<String>()
+        .cloned()
+        .unwrap_or_default();
+    span.in_scope(|| {
+        tracing::info!(status, client = %client, latency_us = elapsed.as_micros() as u64, "handled");
+    });
+    if let Ok(v) = HeaderValue::from_str(&request_id) {
+        res.headers_mut()
+            .insert(HeaderName::from_static("x-request-id"), v);
+    }
+    Ok(res)
+}

@@ -1,0 +1,104 @@
+//! Request extractors, in the order API.md checks things: [`Caller`] (401)
+//! first, then [`JsonBody`] (413, 415, 400). Both run before any I/O.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use actix_web::dev::Payload;
+use actix_web::http::header;
+use actix_web::{web, FromRequest, HttpMessage, HttpRequest};
+use futures_util::StreamExt;
+use serde::de::DeserializeOwned;
+
+use super::error::ApiError;
+use super::AppState;
+use crate::auth::Client;
+
+/// The authenticated client.
+#[derive(Debug, Clone)]
+pub struct Caller(pub Client);
+
+impl FromRequest for Caller {
+    type Error = ApiError;
+    type Future = std::future::Ready<Result<Caller, ApiError>>;
+
+    fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
+        std::future::ready(authenticate(req))
+    }
+}
+
+fn authenticate(req: &HttpRequest) -> Result<Caller, ApiError> {
+    let state = req
+        .app_data::<web::Data<AppState>>()
+        .ok_or_else(|| ApiError::internal(anyhow::anyhow!("app state missing")))?;
+    let value = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .ok_or_else(ApiError::unauthorized)?;
+    let value = value.as_bytes();
+    let key = value
+        .strip_prefix(b"Bearer ")
+        .or_else(|| value.strip_prefix(b"bearer "))
+        .ok_or_else(ApiError::unauthorized)?;
+    let client = state
+        .clients
+        .authenticate(key)
+        .ok_or_else(ApiError::unauthorized)?;
+    req.extensions_mut().insert(client.name.clone());
+    Ok(Caller(client.clone()))
+}
+
+/// A body's size limit, chosen per request type.
+pub trait BodyLimit {
+    /// Bytes; larger bodies are refused with 413 before they are read whole.
+    const LIMIT: usize = 8 * 1024;
+}
+
+/// A JSON body: `application/json` only (415), at most `T::LIMIT` bytes
+/// (413), parsed strictly into `T` (400: syntax, unknown fields, types).
+#[derive(Debug)]
+pub struct JsonBody<T>(pub T);
+
+impl<T: DeserializeOwned + BodyLimit + 'static> FromRequest for JsonBody<T> {
+    type Error = ApiError;
+    type Future = Pin<Box<dyn Future<Output = Result<JsonBody<T>, ApiError>>>>;
+
+    fn from_request(req: &HttpRequest, payload: &mut Payload) -> Self::Future {
+        let limit = T::LIMIT;
+        let content_type_ok = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .map(|v| {
+                let essence = v.split(';').next().unwrap_or("").trim();
+                essence.eq_ignore_ascii_case("application/json")
+            })
+            .unwrap_or(false);
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<usize>().ok());
+        let mut payload = payload.take();
+        Box::pin(async move {
+            if declared.is_some_and(|n| n > limit) {
+                return Err(ApiError::too_large(limit));
+            }
+            if !content_type_ok {
+                return Err(ApiError::media_type());
+            }
+            let mut body = web::BytesMut::new();
+            while let Some(chunk) = payload.next().await {
+                let chunk =
+                    chunk.map_err(|_| ApiError::invalid("could not read the request body"))?;
+                if body.len() + chunk.len() > limit {
+                    return Err(ApiError::too_large(limit));
+                }
+                body.extend_from_slice(&chunk);
+            }
+            serde_json::from_slice::<T>(&body)
+                .map(JsonBody)
+                .map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
+        })
+    }
+}

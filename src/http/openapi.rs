@@ -1,0 +1,41 @@
+//! The OpenAPI 3 description, generated from the handlers' annotations.
+
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+
+use super::{ops, tokens, ErrorBody};
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "idempotency-ledger",
+        description = "Exactly-once tokens for payment-grade requests. Errors are always {\"error\": code, \"message\": text}. Checks apply in this order: authentication (401), request shape (413, 415, 400), token validity (400 token_invalid), biz type known (422), biz type granted (403), then the operation. Answers that repeat an earlier one carry `Idempotent-Replayed: true`."
+    ),
+    paths(
+        tokens::issue, tokens::generate, tokens::consume, tokens::result, tokens::release,
+        ops::healthz, ops::readyz, ops::metrics, ops::openapi,
+    ),
+    components(schemas(
+        ErrorBody, tokens::IssueRequest, tokens::IssueResponse, tokens::GenerateResponse,
+        tokens::ConsumeRequest, tokens::ConsumeResponse, tokens::ResultRequest, tokens::ReleaseRequest,
+        tokens::OutcomeResponse, ops::Readiness,
+    )),
+    modifiers(&BearerAuth),
+    tags(
+        (name = "tokens", description = "Issue and consume one-time tokens"),
+        (name = "operations", description = "Health, readiness, metrics"),
+    )
+)]
+pub struct ApiDoc;
+
+struct BearerAuth;
+
+impl Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "api_key",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}

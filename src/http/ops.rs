@@ -1,0 +1,73 @@
+//! Operations routes: liveness, readiness (with the mode), Prometheus metrics
+//! and the OpenAPI description.
+
+use std::time::Duration;
+
+use actix_web::{web, HttpResponse};
+use serde::Serialize;
+use utoipa::{OpenApi, ToSchema};
+
+use super::AppState;
+
+/// Liveness: 200 while the process runs.
+#[utoipa::path(get, path = "/healthz", tag = "operations", responses((status = 200, description = "alive")))]
+pub async fn healthz() -> HttpResponse {
+    HttpResponse::Ok().json(serde_json::json!({"status": "ok"}))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Readiness {
+    /// `up` or `down`.
+    pub postgres: &'static str,
+    /// `up`, `down` or `slow`.
+    pub redis: &'static str,
+    /// `normal`, `degraded` or `redis_down`.
+    pub mode: &'static str,
+    /// This instance's snowflake worker id.
+    pub worker_id: u16,
+}
+
+/// Readiness: 200 while durable consumes can be decided, else 503, same body.
+#[utoipa::path(get, path = "/readyz", tag = "operations", responses(
+    (status = 200, description = "ready", body = Readiness),
+    (status = 503, description = "cannot decide durable consumes (Postgres down)", body = Readiness)))]
+pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
+    let ledger = &state.ledger;
+    let pg_up = tokio::time::timeout(
+        Duration::from_secs(1),
+        sqlx::query_scalar::<_, i32>("SELECT 1").fetch_one(&ledger.pools().hot),
+    )
+    .await
+    .map(|r| r.is_ok())
+    .unwrap_or(false);
+    let mode = ledger.mode();
+    let body = Readiness {
+        postgres: if pg_up { "up" } else { "down" },
+        redis: match mode {
+            "redis_down" => "down",
+            "degraded" => "slow",
+            _ => "up",
+        },
+        mode,
+        worker_id: ledger.worker_id(),
+    };
+    if pg_up {
+        HttpResponse::Ok().json(body)
+    } else {
+        HttpResponse::ServiceUnavailable().json(body)
+    }
+}
+
+/// Prometheus text exposition.
+#[utoipa::path(get, path = "/metrics", tag = "operations", responses((status = 200, description = "Prometheus text format", content_type = "text/plain")))]
+pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4")
+        .body(state.ledger.metrics().render())
+}
+
+/// This document.
+#[utoipa::path(get, path = "/openapi.json", tag = "operations", responses((status = 200, description = "OpenAPI 3 description")))]
+pub async fn openapi() -> HttpResponse {
+    HttpResponse::Ok().json(super::openapi::ApiDoc::openapi())
+}

@@ -1,0 +1,349 @@
+//! Token routes: issue (and the seed's alias), consume, result, release.
+//! Handlers parse, call the ledger, and shape the answer; nothing else.
+
+use actix_web::{web, HttpResponse};
+use chrono::{DateTime, SecondsFormat, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::Value as Json;
+use utoipa::ToSchema;
+
+use super::error::ApiError;
+use super::extract::{BodyLimit, Caller, JsonBody};
+use super::AppState;
+use crate::domain::{BizType, Fingerprint, RequestId, Subject};
+use crate::ledger::{ConsumeAnswer, ConsumeInput, DuplicateStatus, ResultAnswer};
+use crate::token::MAX_TOKEN_LEN;
+
+pub const REPLAYED: &str = "Idempotent-Replayed";
+
+pub fn rfc3339(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+fn parse<T, E: std::fmt::Display>(r: Result<T, E>) -> Result<T, ApiError> {
+    r.map_err(|e| ApiError::invalid(e.to_string()))
+}
+
+/// A token in a path: too long or ill-formed is `token_invalid` before anything else.
+pub fn path_token(raw: &str) -> Result<&str, ApiError> {
+    if raw.is_empty() || raw.len() > MAX_TOKEN_LEN {
+        return Err(ApiError::token_invalid());
+    }
+    Ok(raw)
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct IssueRequest {
+    /// `[a-z][a-z0-9-]{0,31}`, configured under `[biz.<name>]`.
+    #[schema(example = "order")]
+    pub biz_type: String,
+    /// The user the token is bound to: 1 to 128 characters, no control characters.
+    #[schema(example = "user-42")]
+    pub subject: String,
+    /// 1 to the biz type's ttl; default: the biz type's ttl.
+    #[schema(example = 60, minimum = 1)]
+    pub ttl_seconds: Option<u64>,
+}
+impl BodyLimit for IssueRequest {}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct IssueResponse {
+    pub token: String,
+    pub biz_type: String,
+    pub subject: String,
+    /// RFC 3339 UTC.
+    pub expires_at: String,
+    /// Seconds the token lives.
+    pub expire_time: u64,
+}
+
+/// Issue a one-time token.
+#[utoipa::path(post, path = "/v1/tokens", tag = "tokens", request_body = IssueRequest,
+    security(("api_key" = [])),
+    responses(
+        (status = 201, description = "Issued", body = IssueResponse),
+        (status = 400, description = "invalid_request", body = super::ErrorBody),
+        (status = 401, description = "unauthorized", body = super::ErrorBody),
+        (status = 403, description = "forbidden: biz type not granted", body = super::ErrorBody),
+        (status = 422, description = "unknown_biz_type", body = super::ErrorBody),
+        (status = 429, description = "rate_limited (with Retry-After)", body = super::ErrorBody),
+        (status = 503, description = "unavailable (durable types while Postgres is down)", body = super::ErrorBody),
+    ))]
+pub async fn issue(
+    state: web::Data<AppState>,
+    Caller(caller): Caller,
+    JsonBody(body): JsonBody<IssueRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let biz = parse(BizType::parse(&body.biz_type))?;
+    let subject = parse(Subject::parse(&body.subject))?;
+    let issued = state
+        .ledger
+        .issue(&caller, &biz, &subject, body.ttl_seconds)
+        .await?;
+    Ok(HttpResponse::Created().json(IssueResponse {
+        token: issued.token,
+        biz_type: issued.biz_type.to_string(),
+        subject: issued.subject.as_str().to_owned(),
+        expires_at: rfc3339(issued.expires_at),
+        expire_time: issued.ttl_seconds,
+    }))
+}
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(rename_all = "camelCase")]
+pub struct GenerateQuery {
+    /// The biz type.
+    pub biz_type: Option<String>,
+    /// The subject (user id).
+    pub user_id: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GenerateResponse {
+    pub token: String,
+    pub expire_time: u64,
+}
+
+/// The seed article's issue call, kept for compatibility (same auth and rate limit).
+#[utoipa::path(get, path = "/api/token/generate", tag = "tokens", params(GenerateQuery),
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "Issued", body = GenerateResponse),
+        (status = 400, description = "invalid_request", body = super::ErrorBody),
+        (status = 401, description = "unauthorized", body = super::ErrorBody),
+        (status = 403, description = "forbidden", body = super::ErrorBody),
+        (status = 422, description = "unknown_biz_type", body = super::ErrorBody),
+        (status = 429, description = "rate_limited", body = super::ErrorBody),
+    ))]
+pub async fn generate(
+    state: web::Data<AppState>,
+    Caller(caller): Caller,
+    query: Result<web::Query<GenerateQuery>, actix_web::Error>,
+) -> Result<HttpResponse, ApiError> {
+    let query = query.map_err(|_| ApiError::invalid("query must be ?bizType=...&userId=..."))?;
+    let biz = parse(BizType::parse(
+        query
+            .biz_type
+            .as_deref()
+            .ok_or_else(|| ApiError::invalid("`bizType` is required"))?,
+    ))?;
+    let subject = parse(Subject::parse(
+        query
+            .user_id
+            .as_deref()
+            .ok_or_else(|| ApiError::invalid("`userId` is required"))?,
+    ))?;
+    let issued = state.ledger.issue(&caller, &biz, &subject, None).await?;
+    Ok(HttpResponse::Ok().json(GenerateResponse {
+        token: issued.token,
+        expire_time: issued.ttl_seconds,
+    }))
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ConsumeRequest {
+    #[schema(example = "user-42")]
+    pub subject: String,
+    /// When given, must match the token's biz type (else 403 token_mismatch).
+    pub biz_type: Option<String>,
+    /// A hash of the business request: a consume with another fingerprint than the winner's is 422.
+    #[schema(example = "sha256:9f2c")]
+    pub fingerprint: Option<String>,
+    /// This attempt's id: a retry with the winner's id answers `consumed` again.
+    #[schema(example = "req-7f3a")]
+    pub request_id: Option<String>,
+}
+impl BodyLimit for ConsumeRequest {}
+
+impl ConsumeRequest {
+    pub fn parse(&self) -> Result<ConsumeInput, ApiError> {
+        Ok(ConsumeInput {
+            subject: parse(Subject::parse(&self.subject))?,
+            biz_type: self
+                .biz_type
+                .as_deref()
+                .map(BizType::parse)
+                .transpose()
+                .map_err(|e| ApiError::invalid(e.to_string()))?,
+            fingerprint: self
+                .fingerprint
+                .as_deref()
+                .map(Fingerprint::parse)
+                .transpose()
+                .map_err(|e| ApiError::invalid(e.to_string()))?,
+            request_id: self
+                .request_id
+                .as_deref()
+                .map(RequestId::parse)
+                .transpose()
+                .map_err(|e| ApiError::invalid(e.to_string()))?,
+        })
+    }
+}
+
+/// `consumed` (first use, or a retry of the winning request) or `duplicate`.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum ConsumeResponse {
+    Consumed {
+        /// `consumed`
+        #[schema(example = "consumed")]
+        outcome: &'static str,
+        token: String,
+        consumed_at: String,
+    },
+    Duplicate {
+        /// `duplicate`
+        #[schema(example = "duplicate")]
+        outcome: &'static str,
+        /// `processing` (no result yet) or `completed`.
+        status: &'static str,
+        consumed_at: Option<String>,
+        #[schema(value_type = Object, nullable = true)]
+        result: Option<Json>,
+    },
+}
+
+pub fn consume_response(token: &str, answer: ConsumeAnswer) -> HttpResponse {
+    match answer {
+        ConsumeAnswer::Consumed {
+            consumed_at,
+            replayed,
+        } => {
+            let mut resp = HttpResponse::Ok();
+            if replayed {
+                resp.insert_header((REPLAYED, "true"));
+            }
+            resp.json(ConsumeResponse::Consumed {
+                outcome: "consumed",
+                token: token.to_owned(),
+                consumed_at: rfc3339(consumed_at),
+            })
+        }
+        ConsumeAnswer::Duplicate {
+            status,
+            consumed_at,
+            result,
+        } => {
+            HttpResponse::Ok()
+                .insert_header((REPLAYED, "true"))
+                .json(ConsumeResponse::Duplicate {
+                    outcome: "duplicate",
+                    status: match status {
+                        DuplicateStatus::Processing => "processing",
+                        DuplicateStatus::Completed => "completed",
+                    },
+                    consumed_at: consumed_at.map(rfc3339),
+                    result,
+                })
+        }
+    }
+}
+
+/// Consume a token: exactly one attempt ever answers `consumed`.
+#[utoipa::path(post, path = "/v1/tokens/{token}/consume", tag = "tokens", request_body = ConsumeRequest,
+    params(("token" = String, Path, description = "The token text")),
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "consumed, or duplicate (with Idempotent-Replayed: true); a retry with the winning request_id answers consumed with the header", body = ConsumeResponse),
+        (status = 400, description = "invalid_request, token_invalid, token_expired", body = super::ErrorBody),
+        (status = 401, description = "unauthorized", body = super::ErrorBody),
+        (status = 403, description = "forbidden, token_mismatch", body = super::ErrorBody),
+        (status = 422, description = "fingerprint_mismatch, unknown_biz_type", body = super::ErrorBody),
+        (status = 503, description = "unavailable (with Retry-After); nothing changed", body = super::ErrorBody),
+    ))]
+pub async fn consume(
+    state: web::Data<AppState>,
+    Caller(caller): Caller,
+    token: web::Path<String>,
+    JsonBody(body): JsonBody<ConsumeRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let input = body.parse()?;
+    let token = path_token(&token)?;
+    let answer = state.ledger.consume(&caller, token, &input).await?;
+    Ok(consume_response(token, answer))
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ResultRequest {
+    pub subject: String,
+    /// Any JSON; replayed to later duplicates.
+    #[schema(value_type = Object)]
+    pub result: Json,
+}
+impl BodyLimit for ResultRequest {
+    const LIMIT: usize = 64 * 1024;
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct OutcomeResponse {
+    #[schema(example = "recorded")]
+    pub outcome: &'static str,
+}
+
+/// Record the business result of a consumed token.
+#[utoipa::path(post, path = "/v1/tokens/{token}/result", tag = "tokens", request_body = ResultRequest,
+    params(("token" = String, Path, description = "The token text")),
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "recorded (the same result again: recorded, with Idempotent-Replayed: true)", body = OutcomeResponse),
+        (status = 400, description = "invalid_request, token_invalid", body = super::ErrorBody),
+        (status = 403, description = "token_mismatch, forbidden", body = super::ErrorBody),
+        (status = 409, description = "result_already_set, not_consumed", body = super::ErrorBody),
+        (status = 413, description = "payload_too_large (64 KiB)", body = super::ErrorBody),
+    ))]
+pub async fn result(
+    state: web::Data<AppState>,
+    Caller(caller): Caller,
+    token: web::Path<String>,
+    JsonBody(body): JsonBody<ResultRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let subject = parse(Subject::parse(&body.subject))?;
+    let token = path_token(&token)?;
+    let answer = state
+        .ledger
+        .record_result(&caller, token, &subject, &body.result)
+        .await?;
+    let mut resp = HttpResponse::Ok();
+    if answer == ResultAnswer::AlreadyRecorded {
+        resp.insert_header((REPLAYED, "true"));
+    }
+    Ok(resp.json(OutcomeResponse {
+        outcome: "recorded",
+    }))
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseRequest {
+    pub subject: String,
+}
+impl BodyLimit for ReleaseRequest {}
+
+/// Give a consumed token back (the business step failed before any side effect).
+#[utoipa::path(post, path = "/v1/tokens/{token}/release", tag = "tokens", request_body = ReleaseRequest,
+    params(("token" = String, Path, description = "The token text")),
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "released", body = OutcomeResponse),
+        (status = 400, description = "invalid_request, token_invalid", body = super::ErrorBody),
+        (status = 403, description = "token_mismatch, forbidden", body = super::ErrorBody),
+        (status = 409, description = "not_releasable", body = super::ErrorBody),
+    ))]
+pub async fn release(
+    state: web::Data<AppState>,
+    Caller(caller): Caller,
+    token: web::Path<String>,
+    JsonBody(body): JsonBody<ReleaseRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let subject = parse(Subject::parse(&body.subject))?;
+    let token = path_token(&token)?;
+    state.ledger.release(&caller, token, &subject).await?;
+    Ok(HttpResponse::Ok().json(OutcomeResponse {
+        outcome: "released",
+    }))
+}

@@ -1,0 +1,126 @@
+//! The snowflake worker id this instance holds: taken from Postgres at start,
+//! renewed in the background, and given up when it can no longer be renewed
+//! in time, at which point issuing stops (503) rather than risk another
+//! instance making the same ids.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::durable::{lease, DurableError};
+use crate::token::{Clock, IdGenerator, SnowflakeId};
+
+#[derive(Debug)]
+pub struct WorkerLease {
+    holder: Uuid,
+    ids: IdGenerator,
+    ttl: Duration,
+    /// Local (clock) ms until which the lease is surely ours.
+    valid_until_ms: AtomicI64,
+    clock: Arc<dyn Clock>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    #[error("all 1024 worker ids are leased")]
+    Exhausted,
+    #[error(transparent)]
+    Durable(#[from] DurableError),
+}
+
+impl WorkerLease {
+    /// Takes a worker id. The lease is trusted for 80 % of its lifetime after
+    /// the request started, so that a slow round trip cannot stretch it.
+    pub async fn acquire(
+        pool: &PgPool,
+        ttl: Duration,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Arc<WorkerLease>, LeaseError> {
+        let holder = Uuid::new_v4();
+        let started = clock.now_ms();
+        let taken = lease::acquire(pool, holder, ttl)
+            .await?
+            .ok_or(LeaseError::Exhausted)?;
+        let floor = taken.floor_ms.max(0);
+        tracing::info!(worker_id = taken.worker_id, "leased snowflake worker id");
+        Ok(Arc::new(WorkerLease {
+            holder,
+            ids: IdGenerator::new(taken.worker_id, floor),
+            ttl,
+            valid_until_ms: AtomicI64::new(started + trusted_ms(ttl)),
+            clock,
+        }))
+    }
+
+    pub fn worker_id(&self) -> u16 {
+        self.ids.worker()
+    }
+
+    /// The next id, or `None` when the lease may have lapsed.
+    pub fn next_id(&self) -> Option<SnowflakeId> {
+        let now = self.clock.now_ms();
+        if now >= self.valid_until_ms.load(Ordering::Acquire) {
+            return None;
+        }
+        Some(self.ids.next(now))
+    }
+
+    /// The mark the next holder must start above: nothing this holder makes
+    /// before its lease runs out can carry a later millisecond.
+    fn promise_ms(&self) -> i64 {
+        self.ids.high_water_ms().max(self.clock.now_ms())
+            + i64::try_from(self.ttl.as_millis()).unwrap_or(0)
+    }
+
+    /// Renews once; `Ok(false)` when the lease was lost.
+    pub async fn renew(&self, pool: &PgPool) -> Result<bool, DurableError> {
+        let started = self.clock.now_ms();
+        let ok = lease::renew(
+            pool,
+            self.worker_id(),
+            self.holder,
+            self.ttl,
+            self.promise_ms(),
+        )
+        .await?;
+        if ok {
+            self.valid_until_ms
+                .store(started + trusted_ms(self.ttl), Ordering::Release);
+        } else {
+            self.valid_until_ms.store(0, Ordering::Release);
+        }
+        Ok(ok)
+    }
+
+    /// Renews every third of the lifetime until `shutdown`, then gives the id back.
+    pub async fn run(self: Arc<Self>, pool: PgPool, shutdown: CancellationToken) {
+        let every = self.ttl / 3;
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(every) => {}
+                _ = shutdown.cancelled() => break,
+            }
+            match self.renew(&pool).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::error!(
+                        worker_id = self.worker_id(),
+                        "worker-id lease lost; issuing stops until re-leased"
+                    );
+                    // Try to take a fresh id (possibly the same one) is left to
+                    // a restart: an instance without a lease refuses to issue.
+                }
+                Err(e) => tracing::warn!(error = %e, "could not renew the worker-id lease"),
+            }
+        }
+        let _ = lease::release(&pool, self.worker_id(), self.holder, self.promise_ms()).await;
+    }
+}
+
+fn trusted_ms(ttl: Duration) -> i64 {
+    i64::try_from(ttl.as_millis() * 8 / 10).unwrap_or(i64::MAX)
+}

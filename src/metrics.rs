@@ -1,0 +1,209 @@
+//! Prometheus metrics, and the per-biz-type counters that every instance
+//! flushes to Postgres for the fleet-wide `/v1/admin/stats`.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use prometheus::{
+    Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
+
+/// Counters of one biz type since the last flush.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct StatCounts {
+    pub issued: i64,
+    pub consumed: i64,
+    pub duplicates: i64,
+    pub expired: i64,
+    pub invalid: i64,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub enum Stat {
+    Issued,
+    Consumed,
+    Duplicate,
+    Expired,
+    Invalid,
+}
+
+pub struct Metrics {
+    pub registry: Registry,
+    pub tokens_issued: IntCounterVec,
+    pub consume_total: IntCounterVec,
+    pub request_duration: HistogramVec,
+    pub tier_duration: HistogramVec,
+    pub mode: GaugeVec,
+    pub bloom_fill_ratio: Gauge,
+    pub fast_tier_total: IntCounterVec,
+    pub redis_eviction_unsafe: IntGauge,
+    pub issue_buffer_depth: IntGauge,
+    pending: Mutex<HashMap<String, StatCounts>>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+];
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        // Metric definitions are static and valid; registration of distinct
+        // names into a fresh registry cannot fail.
+        let registry = Registry::new();
+        let tokens_issued = IntCounterVec::new(
+            Opts::new("ledger_tokens_issued_total", "Tokens issued."),
+            &["biz_type"],
+        )
+        .expect("valid metric");
+        let consume_total = IntCounterVec::new(
+            Opts::new(
+                "ledger_consume_total",
+                "Consume attempts (order events included) by outcome: consumed, replayed, duplicate, fingerprint_mismatch, expired, invalid, mismatch, unavailable.",
+            ),
+            &["biz_type", "outcome"],
+        )
+        .expect("valid metric");
+        let request_duration = HistogramVec::new(
+            HistogramOpts::new("ledger_request_duration_seconds", "HTTP request latency.")
+                .buckets(LATENCY_BUCKETS.to_vec()),
+            &["endpoint"],
+        )
+        .expect("valid metric");
+        let tier_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "ledger_tier_duration_seconds",
+                "Latency of one call to a tier.",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["tier", "op"],
+        )
+        .expect("valid metric");
+        let mode = GaugeVec::new(
+            Opts::new(
+                "ledger_mode",
+                "1 for the current mode (normal, degraded, redis_down).",
+            ),
+            &["mode"],
+        )
+        .expect("valid metric");
+        let bloom_fill_ratio = Gauge::new(
+            "ledger_bloom_fill_ratio",
+            "Fraction of the bloom filter's bits that are set.",
+        )
+        .expect("valid metric");
+        let fast_tier_total = IntCounterVec::new(
+            Opts::new(
+                "ledger_fast_tier_total",
+                "Redis lookups on the consume path: hit (Redis knew the token), miss, error.",
+            ),
+            &["result"],
+        )
+        .expect("valid metric");
+        let redis_eviction_unsafe = IntGauge::new(
+            "ledger_redis_eviction_unsafe",
+            "1 when Redis maxmemory-policy is not noeviction (fast biz types may lose tokens).",
+        )
+        .expect("valid metric");
+        let issue_buffer_depth = IntGauge::new(
+            "ledger_issue_buffer_depth",
+            "Issuance records waiting to be written to Postgres.",
+        )
+        .expect("valid metric");
+        for c in [
+            Box::new(tokens_issued.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(consume_total.clone()),
+            Box::new(request_duration.clone()),
+            Box::new(tier_duration.clone()),
+            Box::new(mode.clone()),
+            Box::new(bloom_fill_ratio.clone()),
+            Box::new(fast_tier_total.clone()),
+            Box::new(redis_eviction_unsafe.clone()),
+            Box::new(issue_buffer_depth.clone()),
+        ] {
+            registry.register(c).expect("distinct metric names");
+        }
+        for m in ["normal", "degraded", "redis_down"] {
+            mode.with_label_values(&[m])
+                .set(if m == "normal" { 1.0 } else { 0.0 });
+        }
+        for r in ["hit", "miss", "error"] {
+            fast_tier_total.with_label_values(&[r]);
+        }
+        Metrics {
+            registry,
+            tokens_issued,
+            consume_total,
+            request_duration,
+            tier_duration,
+            mode,
+            bloom_fill_ratio,
+            fast_tier_total,
+            redis_eviction_unsafe,
+            issue_buffer_depth,
+            pending: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn set_mode(&self, current: &str) {
+        for m in ["normal", "degraded", "redis_down"] {
+            self.mode
+                .with_label_values(&[m])
+                .set(if m == current { 1.0 } else { 0.0 });
+        }
+    }
+
+    /// Counts one event for the fleet-wide stats.
+    pub fn stat(&self, biz_type: &str, stat: Stat) {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let c = pending.entry(biz_type.to_owned()).or_default();
+        match stat {
+            Stat::Issued => c.issued += 1,
+            Stat::Consumed => c.consumed += 1,
+            Stat::Duplicate => c.duplicates += 1,
+            Stat::Expired => c.expired += 1,
+            Stat::Invalid => c.invalid += 1,
+        }
+    }
+
+    /// Takes the counts accumulated since the last call.
+    pub fn take_stats(&self) -> HashMap<String, StatCounts> {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        std::mem::take(&mut *pending)
+    }
+
+    /// Puts counts back after a failed flush.
+    pub fn restore_stats(&self, counts: HashMap<String, StatCounts>) {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        for (biz, c) in counts {
+            let e = pending.entry(biz).or_default();
+            e.issued += c.issued;
+            e.consumed += c.consumed;
+            e.duplicates += c.duplicates;
+            e.expired += c.expired;
+            e.invalid += c.invalid;
+        }
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        let encoder = TextEncoder::new();
+        if encoder.encode(&self.registry.gather(), &mut buf).is_err() {
+            return String::new();
+        }
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

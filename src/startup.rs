@@ -1,0 +1,188 @@
+//! Building and running the service: `Application::build(settings)` creates
+//! the database when missing, migrates, checks, leases a worker id, binds
+//! (port 0 in tests) and starts the background tasks; `run_until_stopped`
+//! serves until SIGTERM/SIGINT, then drains requests and flushes buffers.
+
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::dev::Server;
+use actix_web::{middleware, web, App, HttpServer};
+use anyhow::Context;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::auth::Clients;
+use crate::config::Settings;
+use crate::durable::{setup, Pools};
+use crate::fast::FastTier;
+use crate::http::{self, AppState};
+use crate::lease::WorkerLease;
+use crate::ledger::Ledger;
+use crate::metrics::Metrics;
+use crate::token::{Clock, SystemClock};
+use crate::{journal, writer};
+
+#[derive(Debug, Clone, Copy)]
+pub struct BuildOptions {
+    /// Create the database if missing and apply migrations first.
+    pub migrate: bool,
+}
+
+impl Default for BuildOptions {
+    fn default() -> Self {
+        BuildOptions { migrate: true }
+    }
+}
+
+pub struct Application {
+    port: u16,
+    server: Server,
+    ledger: Arc<Ledger>,
+    shutdown: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+    writer_task: JoinHandle<()>,
+    lease_task: JoinHandle<()>,
+}
+
+impl Application {
+    pub async fn build(settings: Settings, opts: BuildOptions) -> anyhow::Result<Application> {
+        let settings = Arc::new(settings);
+        if opts.migrate {
+            setup::create_database_if_missing(&settings.postgres.url).await?;
+            setup::migrate(&settings.postgres.url).await?;
+        }
+        let pools = Pools::new(&settings.postgres).context("postgres.url")?;
+        setup::check_durability(&pools).await?;
+
+        let metrics = Arc::new(Metrics::new());
+        let fast = FastTier::new(settings.redis.clone(), metrics.clone());
+        match fast.maxmemory_policy().await {
+            Some(policy) if policy != "noeviction" => {
+                metrics.redis_eviction_unsafe.set(1);
+                tracing::warn!(
+                    %policy,
+                    "REDIS maxmemory-policy is not noeviction: under memory pressure Redis evicts tokens, and fast biz types lose their exactly-once guarantee"
+                );
+            }
+            Some(_) => {}
+            None => tracing::warn!("could not read redis maxmemory-policy (redis down or cluster)"),
+        }
+
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let lease =
+            WorkerLease::acquire(&pools.hot, settings.tokens.worker_lease_ttl, clock.clone())
+                .await
+                .context("leasing a snowflake worker id")?;
+        let (writer, writer_rx) = writer::writer(
+            settings.tokens.issue_buffer,
+            pools.hot.clone(),
+            metrics.clone(),
+        );
+        let ledger = Arc::new(Ledger::new(
+            settings.clone(),
+            clock,
+            lease.clone(),
+            fast.clone(),
+            pools.clone(),
+            metrics.clone(),
+            writer,
+        ));
+
+        let shutdown = CancellationToken::new();
+        let writer_task = tokio::spawn(writer_rx.run(shutdown.clone()));
+        let lease_task = tokio::spawn(lease.clone().run(pools.hot.clone(), shutdown.clone()));
+        let consumer = format!("worker-{}", lease.worker_id());
+        let tasks = vec![
+            tokio::spawn(journal::run(
+                fast.clone(),
+                pools.hot.clone(),
+                consumer,
+                shutdown.clone(),
+            )),
+            tokio::spawn(watch_redis(ledger.clone(), shutdown.clone())),
+        ];
+
+        let listener = TcpListener::bind(settings.server.listen)
+            .with_context(|| format!("binding {}", settings.server.listen))?;
+        let port = listener.local_addr()?.port();
+        let state = web::Data::new(AppState {
+            ledger: ledger.clone(),
+            clients: Clients::new(settings.clients.clone()),
+        });
+        let mut server = HttpServer::new(move || {
+            App::new()
+                .app_data(state.clone())
+                .wrap(middleware::from_fn(http::observe))
+                .configure(http::routes)
+        })
+        .shutdown_timeout(settings.server.shutdown_timeout.as_secs().max(1))
+        .max_connection_rate(1024);
+        if let Some(w) = settings.server.workers {
+            server = server.workers(w);
+        }
+        let server = server.listen(listener)?.run();
+        tracing::info!(port, worker_id = lease.worker_id(), "listening");
+        Ok(Application {
+            port,
+            server,
+            ledger,
+            shutdown,
+            tasks,
+            writer_task,
+            lease_task,
+        })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn ledger(&self) -> &Arc<Ledger> {
+        &self.ledger
+    }
+
+    /// A handle that stops the server gracefully (tests; signals do the same).
+    pub fn handle(&self) -> actix_web::dev::ServerHandle {
+        self.server.handle()
+    }
+
+    /// Serves until stopped, then flushes: in-flight requests finish, queued
+    /// issuance records are written, the worker id is given back.
+    pub async fn run_until_stopped(self) -> anyhow::Result<()> {
+        let served = self.server.await;
+        tracing::info!("stopping: flushing buffers");
+        self.shutdown.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.writer_task).await;
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.lease_task).await;
+        for t in self.tasks {
+            t.abort();
+        }
+        self.ledger.pools().close().await;
+        served.context("http server")
+    }
+}
+
+/// Probes Redis while it is marked down, replays queued writes when it is
+/// back, and keeps `ledger_mode` current.
+async fn watch_redis(ledger: Arc<Ledger>, shutdown: CancellationToken) {
+    let mut last_mode = "";
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        if ledger.fast().is_down() && ledger.fast().probe().await {
+            let left = ledger.resync_redis().await;
+            if left > 0 {
+                tracing::warn!(left, "redis writes still queued");
+            }
+        }
+        let mode = ledger.mode();
+        if mode != last_mode {
+            ledger.metrics().set_mode(mode);
+            last_mode = mode;
+        }
+    }
+}
