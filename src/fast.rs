@@ -282,8 +282,13 @@ impl FastTier {
                 Ok(v)
             }
             Ok(Err(e)) => {
-                // A script error is our bug, not an outage; anything else is.
-                if e.kind() != redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) {
+                // Only a failing connection opens the breaker; a server error
+                // reply (BUSYGROUP, a script error, LOADING...) is an answer.
+                if e.is_io_error()
+                    || e.is_timeout()
+                    || e.is_connection_dropped()
+                    || e.is_connection_refusal()
+                {
                     self.trip();
                 }
                 self.metrics

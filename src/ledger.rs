@@ -604,8 +604,18 @@ impl Ledger {
             }
             // Issued but past our expiry: Postgres says whether it was consumed.
             Ok(ScriptOutcome::Issued | ScriptOutcome::Claimed | ScriptOutcome::Miss) => {}
+            // Redis was skipped before anything was sent (breaker open):
+            // Postgres decides, with the per-instance guarantee of degraded mode.
+            Err(FastError::Down) => {}
+            // The script may have run and consumed the token before the reply
+            // was lost: deciding again elsewhere could consume it twice. The
+            // caller retries with its request_id and learns the outcome.
             Err(e) => {
-                tracing::debug!(error = %e, "redis skipped for a fast type; postgres decides")
+                return Err(LedgerError::Unavailable {
+                    what: "redis (outcome unknown; retry with the same request_id)",
+                    retry_after_secs: 1,
+                    source: Some(e.into()),
+                })
             }
         }
         if expired {

@@ -131,15 +131,28 @@ pub async fn consume(
         Some(r) if r.try_get::<bool, _>("won")? => Ok(ConsumeRow::Won {
             consumed_at: r.try_get("consumed_at")?,
         }),
-        Some(r) => Ok(ConsumeRow::Existing(existing(&r)?)),
-        // Nothing claimed and nothing in our snapshot: either the token is
-        // expired and unknown, or a concurrent consume committed the row after
-        // our snapshot was taken. A fresh read tells them apart.
-        None => match find(pool, rec.id).await? {
-            Some(e) => Ok(ConsumeRow::Existing(e)),
-            None => Ok(ConsumeRow::Expired),
-        },
+        Some(r) => {
+            let e = existing(&r)?;
+            if e.state == TokenState::Consumed {
+                return Ok(ConsumeRow::Existing(e));
+            }
+            // Not claimed, yet our snapshot says issued: either it is past
+            // `now()`, or a concurrent consume committed after our snapshot was
+            // taken (the conflict check waited for it and saw `consumed`). A
+            // fresh read tells them apart.
+            fresh_read(pool, rec.id).await
+        }
+        // Nothing claimed and nothing in our snapshot: expired and unknown,
+        // or a concurrent consume inserted the row after our snapshot.
+        None => fresh_read(pool, rec.id).await,
     }
+}
+
+async fn fresh_read(pool: &PgPool, id: i64) -> Result<ConsumeRow, DurableError> {
+    Ok(match find(pool, id).await? {
+        Some(e) => ConsumeRow::Existing(e),
+        None => ConsumeRow::Expired,
+    })
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -1,0 +1,151 @@
+//! Two instances on the same stores, and restarts.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use idempotency_ledger::token::TokenCodec;
+use reqwest::StatusCode;
+use serde_json::json;
+use tokio::sync::Barrier;
+
+use crate::helpers::*;
+
+fn worker_of(app: &TestApp, token: &str) -> u16 {
+    let codec = TokenCodec::new(app.stores.settings().tokens.signing_keys.clone());
+    codec.verify(token).expect("valid").claims.id.worker()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_instances_share_the_ledger() {
+    let stores = Stores::fresh();
+    let a = Arc::new(spawn_app_on(stores.clone()).await);
+    let b = Arc::new(spawn_app_on(stores).await);
+    assert_ne!(
+        a.ledger.worker_id(),
+        b.ledger.worker_id(),
+        "leased worker ids differ"
+    );
+
+    // Issued by A, consumed on B at once.
+    let token = a.issue(PAYMENTS, "order", "u").await;
+    assert_eq!(worker_of(&a, &token), a.ledger.worker_id());
+    let (_, _, body) = answer(b.consume(PAYMENTS, &token, &json!({"subject": "u"})).await).await;
+    assert_eq!(body["outcome"], "consumed");
+    let (_, _, body) = answer(a.consume(PAYMENTS, &token, &json!({"subject": "u"})).await).await;
+    assert_eq!(body["outcome"], "duplicate");
+
+    // Ids from both are unique.
+    let mut ids = HashSet::new();
+    for i in 0..50 {
+        let app = if i % 2 == 0 { &a } else { &b };
+        assert!(ids.insert(app.issue(PAYMENTS, "like", &format!("s{i}")).await));
+    }
+
+    // Concurrent consumes across both stay exactly once.
+    for biz in ["order", "like"] {
+        let mut tokens = Vec::new();
+        for i in 0..30 {
+            let issuer = if i % 2 == 0 { &a } else { &b };
+            tokens.push(issuer.issue(PAYMENTS, biz, &format!("x{i}")).await);
+        }
+        let barrier = Arc::new(Barrier::new(30 * 6));
+        let mut handles = Vec::new();
+        for (i, token) in tokens.iter().enumerate() {
+            for copy in 0..6 {
+                let app = if copy % 2 == 0 { a.clone() } else { b.clone() };
+                let (barrier, token) = (barrier.clone(), token.clone());
+                handles.push(tokio::spawn(async move {
+                    barrier.wait().await;
+                    let (s, _, body) = answer(
+                        app.consume(PAYMENTS, &token, &json!({"subject": format!("x{i}")}))
+                            .await,
+                    )
+                    .await;
+                    (i, s, body["outcome"].as_str().unwrap_or("?").to_owned())
+                }));
+            }
+        }
+        let mut consumed = [0; 30];
+        for h in handles {
+            let (i, s, outcome) = h.await.unwrap();
+            assert_eq!(s, StatusCode::OK);
+            if outcome == "consumed" {
+                consumed[i] += 1;
+            }
+        }
+        assert!(consumed.iter().all(|&n| n == 1), "{biz}: {consumed:?}");
+    }
+}
+
+#[tokio::test]
+async fn consumed_tokens_stay_duplicate_across_a_restart() {
+    let stores = Stores::fresh();
+    let app = spawn_app_on(stores.clone()).await;
+    let mut tokens = Vec::new();
+    for biz in ["order", "like", "refund"] {
+        let token = app.issue(PAYMENTS, biz, "u").await;
+        let (_, _, body) = answer(
+            app.consume(
+                PAYMENTS,
+                &token,
+                &json!({"subject": "u", "request_id": "r"}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(body["outcome"], "consumed");
+        tokens.push(token);
+    }
+    let fresh = app.issue(PAYMENTS, "order", "u").await;
+    app.stop().await;
+
+    // Redis restarts empty too, for good measure.
+    let app = spawn_app_on(stores).await;
+    let mut redis = app.redis().await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{}tok:*", app.stores.prefix))
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    for k in keys {
+        let _: () = redis::cmd("DEL")
+            .arg(k)
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+    }
+    // The fast journal must have reached Postgres before the stop; wait for it.
+    let pool = app.pg().await;
+    eventually(10, || {
+        let pool = pool.clone();
+        async move {
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM tokens WHERE state = 'consumed'")
+                .fetch_one(&pool)
+                .await
+                .ok()?;
+            (n == 3).then_some(())
+        }
+    })
+    .await;
+    for token in &tokens {
+        let (_, replayed, body) =
+            answer(app.consume(PAYMENTS, token, &json!({"subject": "u"})).await).await;
+        assert_eq!(
+            (body["outcome"].as_str(), replayed),
+            (Some("duplicate"), true),
+            "{body}"
+        );
+        let (_, _, body) = answer(
+            app.consume(PAYMENTS, token, &json!({"subject": "u", "request_id": "r"}))
+                .await,
+        )
+        .await;
+        assert_eq!(body["outcome"], "consumed");
+    }
+    let (_, _, body) = answer(
+        app.consume(PAYMENTS, &fresh, &json!({"subject": "u"}))
+            .await,
+    )
+    .await;
+    assert_eq!(body["outcome"], "consumed");
+}

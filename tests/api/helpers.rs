@@ -1,0 +1,225 @@
+//! `spawn_app()`: the service in-process on a random port, with its own fresh
+//! database and its own Redis key prefix, so tests run in parallel.
+
+use std::sync::Arc;
+
+use idempotency_ledger::config::Settings;
+use idempotency_ledger::ledger::Ledger;
+use idempotency_ledger::startup::{Application, BuildOptions};
+use idempotency_ledger::token::{Claims, SnowflakeId, TokenCodec};
+use reqwest::{Response, StatusCode};
+use serde_json::{json, Value};
+use tokio::task::JoinHandle;
+
+pub const PG_BASE: &str = "postgres://postgres@127.0.0.1:5432";
+pub const REDIS_URL: &str = "redis://127.0.0.1:6379";
+pub const PAYMENTS: &str = "dev-payments-key";
+pub const REFUNDS: &str = "dev-refunds-key";
+pub const ADMIN: &str = "dev-admin-key";
+
+/// Where one test's state lives; two apps given the same `Stores` share it.
+#[derive(Debug, Clone)]
+pub struct Stores {
+    pub db_name: String,
+    pub prefix: String,
+    pub redis_url: String,
+    /// Extra TOML merged over the test defaults.
+    pub extra: String,
+}
+
+impl Stores {
+    pub fn fresh() -> Stores {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        Stores {
+            db_name: format!("ledger_t_{id}"),
+            prefix: format!("ledger-t-{id}:"),
+            redis_url: REDIS_URL.to_owned(),
+            extra: String::new(),
+        }
+    }
+    pub fn with(mut self, extra: &str) -> Stores {
+        self.extra.push('\n');
+        self.extra.push_str(extra);
+        self
+    }
+    pub fn redis(mut self, url: &str) -> Stores {
+        self.redis_url = url.to_owned();
+        self
+    }
+    pub fn db_url(&self) -> String {
+        format!("{PG_BASE}/{}", self.db_name)
+    }
+    pub fn settings(&self) -> Settings {
+        // Top-level keys must come before any table in TOML, and `extra` may
+        // hold tables of its own: so the tables below are written as dotted keys.
+        let toml = format!(
+            r#"
+server.listen = "127.0.0.1:0"
+server.workers = 2
+server.shutdown_timeout = "2s"
+postgres.url = "{db}"
+postgres.pool_size = 8
+postgres.admin_pool_size = 2
+redis.url = "{redis}"
+redis.key_prefix = "{prefix}"
+redis.timeout = "2s"
+tokens.provisional_ttl = "1s"
+{extra}
+"#,
+            db = self.db_url(),
+            prefix = self.prefix,
+            redis = self.redis_url,
+            extra = self.extra,
+        );
+        Settings::from_toml_over_defaults(&toml).expect("test settings are valid")
+    }
+}
+
+pub struct TestApp {
+    pub address: String,
+    pub stores: Stores,
+    pub http: reqwest::Client,
+    pub ledger: Arc<Ledger>,
+    handle: actix_web::dev::ServerHandle,
+    join: JoinHandle<anyhow::Result<()>>,
+}
+
+pub async fn spawn_app() -> TestApp {
+    spawn_app_on(Stores::fresh()).await
+}
+
+pub async fn spawn_app_on(stores: Stores) -> TestApp {
+    let app = Application::build(stores.settings(), BuildOptions { migrate: true })
+        .await
+        .expect("the app builds");
+    let address = format!("http://127.0.0.1:{}", app.port());
+    let ledger = app.ledger().clone();
+    let handle = app.handle();
+    let join = tokio::spawn(app.run_until_stopped());
+    TestApp {
+        address,
+        stores,
+        http: reqwest::Client::builder()
+            .pool_max_idle_per_host(64)
+            .build()
+            .expect("client"),
+        ledger,
+        handle,
+        join,
+    }
+}
+
+impl TestApp {
+    /// Stops gracefully (flushing buffers) and waits for it.
+    pub async fn stop(self) {
+        self.handle.stop(true).await;
+        let _ = self.join.await;
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.address, path)
+    }
+
+    pub async fn post(&self, key: &str, path: &str, body: &Value) -> Response {
+        self.http
+            .post(self.url(path))
+            .bearer_auth(key)
+            .json(body)
+            .send()
+            .await
+            .expect("request sent")
+    }
+
+    pub async fn get(&self, key: &str, path: &str) -> Response {
+        self.http
+            .get(self.url(path))
+            .bearer_auth(key)
+            .send()
+            .await
+            .expect("request sent")
+    }
+
+    /// Issues a token as `key`; panics unless 201.
+    pub async fn issue(&self, key: &str, biz: &str, subject: &str) -> String {
+        let r = self
+            .post(
+                key,
+                "/v1/tokens",
+                &json!({"biz_type": biz, "subject": subject}),
+            )
+            .await;
+        assert_eq!(r.status(), StatusCode::CREATED, "issue {biz}/{subject}");
+        let body: Value = r.json().await.expect("json");
+        body["token"].as_str().expect("token").to_owned()
+    }
+
+    pub async fn consume(&self, key: &str, token: &str, body: &Value) -> Response {
+        self.post(key, &format!("/v1/tokens/{token}/consume"), body)
+            .await
+    }
+
+    pub async fn pg(&self) -> sqlx::PgPool {
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .connect(&self.stores.db_url())
+            .await
+            .expect("test pool")
+    }
+
+    pub async fn redis(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(REDIS_URL)
+            .expect("redis url")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("redis connection")
+    }
+
+    pub fn token_key(&self, token: &str) -> String {
+        format!("{}tok:{{{}}}", self.stores.prefix, token)
+    }
+
+    /// Signs arbitrary claims with the development key (expired tokens etc.).
+    pub fn sign(&self, biz: &str, id: u64, exp_unix: u32, client: &str, subject: &str) -> String {
+        let codec = TokenCodec::new(self.stores.settings().tokens.signing_keys.clone());
+        codec.sign(
+            &Claims {
+                biz_type: idempotency_ledger::domain::BizType::parse(biz).expect("biz"),
+                id: SnowflakeId(id),
+                exp: exp_unix,
+            },
+            client,
+            subject,
+        )
+    }
+}
+
+/// Reads a JSON body and the replay header.
+pub async fn answer(r: Response) -> (StatusCode, bool, Value) {
+    let status = r.status();
+    let replayed = r
+        .headers()
+        .get("idempotent-replayed")
+        .map(|v| v == "true")
+        .unwrap_or(false);
+    let body = r.json::<Value>().await.unwrap_or(Value::Null);
+    (status, replayed, body)
+}
+
+/// Polls `f` until it returns `Some`, at most `secs` seconds.
+pub async fn eventually<T, F, Fut>(secs: u64, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "condition not reached in {secs} s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}

@@ -1,0 +1,221 @@
+//! Recording results and releasing tokens.
+
+use reqwest::StatusCode;
+use serde_json::json;
+
+use crate::helpers::*;
+
+const BIZES: [&str; 2] = ["order", "like"];
+
+#[tokio::test]
+async fn result_rules() {
+    let app = spawn_app().await;
+    for biz in BIZES {
+        let token = app.issue(PAYMENTS, biz, "u").await;
+        let path = format!("/v1/tokens/{token}/result");
+        let result = json!({"payment_id": "p-1", "amount": 1000});
+
+        // Not consumed yet.
+        let (s, _, body) = answer(
+            app.post(PAYMENTS, &path, &json!({"subject": "u", "result": result}))
+                .await,
+        )
+        .await;
+        assert_eq!(
+            (s, body["error"].as_str()),
+            (StatusCode::CONFLICT, Some("not_consumed")),
+            "{biz}"
+        );
+
+        app.consume(PAYMENTS, &token, &json!({"subject": "u"}))
+            .await;
+        let (s, replayed, body) = answer(
+            app.post(PAYMENTS, &path, &json!({"subject": "u", "result": result}))
+                .await,
+        )
+        .await;
+        assert_eq!(
+            (s, replayed, body["outcome"].as_str()),
+            (StatusCode::OK, false, Some("recorded")),
+            "{biz}"
+        );
+        // The same again: 200, replayed.
+        let (s, replayed, _) = answer(
+            app.post(PAYMENTS, &path, &json!({"subject": "u", "result": result}))
+                .await,
+        )
+        .await;
+        assert_eq!((s, replayed), (StatusCode::OK, true), "{biz}");
+        // Another one: 409.
+        let (s, _, body) = answer(
+            app.post(
+                PAYMENTS,
+                &path,
+                &json!({"subject": "u", "result": {"other": true}}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(
+            (s, body["error"].as_str()),
+            (StatusCode::CONFLICT, Some("result_already_set")),
+            "{biz}"
+        );
+        // Another subject or client: token_mismatch.
+        let (s, _, body) = answer(
+            app.post(PAYMENTS, &path, &json!({"subject": "v", "result": result}))
+                .await,
+        )
+        .await;
+        assert_eq!(
+            (s, body["error"].as_str()),
+            (StatusCode::FORBIDDEN, Some("token_mismatch")),
+            "{biz}"
+        );
+        let (s, _, body) = answer(
+            app.post(ADMIN, &path, &json!({"subject": "u", "result": result}))
+                .await,
+        )
+        .await;
+        assert_eq!(
+            (s, body["error"].as_str()),
+            (StatusCode::FORBIDDEN, Some("token_mismatch")),
+            "{biz}"
+        );
+
+        // Later duplicates replay it as completed.
+        let dup = eventually(5, || async {
+            let (_, _, body) = answer(
+                app.consume(PAYMENTS, &token, &json!({"subject": "u"}))
+                    .await,
+            )
+            .await;
+            (body["status"] == "completed").then_some(body)
+        })
+        .await;
+        assert_eq!(dup["outcome"], "duplicate");
+        assert_eq!(dup["result"], result, "{biz}");
+
+        // Not releasable once it has a result.
+        let (s, _, body) = answer(
+            app.post(
+                PAYMENTS,
+                &format!("/v1/tokens/{token}/release"),
+                &json!({"subject": "u"}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(
+            (s, body["error"].as_str()),
+            (StatusCode::CONFLICT, Some("not_releasable")),
+            "{biz}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn result_bodies_up_to_64_kib() {
+    let app = spawn_app().await;
+    let token = app.issue(PAYMENTS, "order", "u").await;
+    app.consume(PAYMENTS, &token, &json!({"subject": "u"}))
+        .await;
+    let path = format!("/v1/tokens/{token}/result");
+    let big = "x".repeat(70 * 1024);
+    let (s, _, body) = answer(
+        app.post(PAYMENTS, &path, &json!({"subject": "u", "result": big}))
+            .await,
+    )
+    .await;
+    assert_eq!(
+        (s, body["error"].as_str()),
+        (StatusCode::PAYLOAD_TOO_LARGE, Some("payload_too_large"))
+    );
+    let fits = "x".repeat(60 * 1024);
+    let (s, _, _) = answer(
+        app.post(PAYMENTS, &path, &json!({"subject": "u", "result": fits}))
+            .await,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn release_returns_the_token_for_a_retry() {
+    let app = spawn_app().await;
+    for biz in BIZES {
+        let token = app.issue(PAYMENTS, biz, "u").await;
+        let release = format!("/v1/tokens/{token}/release");
+        // Not consumed: not releasable.
+        let (s, _, body) =
+            answer(app.post(PAYMENTS, &release, &json!({"subject": "u"})).await).await;
+        assert_eq!(
+            (s, body["error"].as_str()),
+            (StatusCode::CONFLICT, Some("not_releasable")),
+            "{biz}"
+        );
+
+        let (_, _, body) = answer(
+            app.consume(
+                PAYMENTS,
+                &token,
+                &json!({"subject": "u", "request_id": "a"}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(body["outcome"], "consumed");
+        let (s, _, body) =
+            answer(app.post(PAYMENTS, &release, &json!({"subject": "v"})).await).await;
+        assert_eq!(
+            (s, body["error"].as_str()),
+            (StatusCode::FORBIDDEN, Some("token_mismatch")),
+            "{biz}"
+        );
+        let (s, _, body) =
+            answer(app.post(PAYMENTS, &release, &json!({"subject": "u"})).await).await;
+        assert_eq!(
+            (s, body["outcome"].as_str()),
+            (StatusCode::OK, Some("released")),
+            "{biz}: {body}"
+        );
+
+        // Consumable again, by a new attempt; exactly once.
+        let (_, replayed, body) = answer(
+            app.consume(
+                PAYMENTS,
+                &token,
+                &json!({"subject": "u", "request_id": "b"}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(
+            (body["outcome"].as_str(), replayed),
+            (Some("consumed"), false),
+            "{biz}: {body}"
+        );
+        let (_, _, body) = answer(
+            app.consume(
+                PAYMENTS,
+                &token,
+                &json!({"subject": "u", "request_id": "c"}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(body["outcome"], "duplicate", "{biz}");
+    }
+    // The durable token's story is in the audit trail.
+    let pool = app.pg().await;
+    let kinds: Vec<String> = sqlx::query_scalar(
+        "SELECT kind::text FROM audit_events WHERE biz_type = 'order' AND kind <> 'token.issued' ORDER BY id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        kinds,
+        ["token.consumed", "token.released", "token.consumed"]
+    );
+}
