@@ -112,6 +112,11 @@ struct RawRedis {
     timeout: String,
     consumed_ttl: String,
     down_backoff: String,
+    slow_threshold: String,
+    slow_window: String,
+    degraded_sample: f64,
+    fallback_rate: String,
+    fallback_capacity: u64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -201,6 +206,16 @@ pub struct RedisSettings {
     pub timeout: Duration,
     pub consumed_ttl: Duration,
     pub down_backoff: Duration,
+    /// p99 of Redis calls above this over `slow_window`: mode `degraded`.
+    pub slow_threshold: Duration,
+    /// How far back the latency percentile looks.
+    pub slow_window: Duration,
+    /// Fraction of durable consumes that bypass Redis while degraded.
+    pub degraded_sample: f64,
+    /// Fast consumes per second this instance decides while Redis is down.
+    pub fallback_rate: NonZeroU32,
+    /// Fast tokens this instance remembers as consumed while Redis is down.
+    pub fallback_capacity: u64,
 }
 
 /// A signing key. The secret never appears in `Debug` output.
@@ -460,7 +475,24 @@ impl Raw {
             timeout: parse_duration("redis.timeout", &self.redis.timeout)?,
             consumed_ttl: parse_duration("redis.consumed_ttl", &self.redis.consumed_ttl)?,
             down_backoff: parse_duration("redis.down_backoff", &self.redis.down_backoff)?,
+            slow_threshold: parse_duration("redis.slow_threshold", &self.redis.slow_threshold)?,
+            slow_window: parse_duration("redis.slow_window", &self.redis.slow_window)?,
+            degraded_sample: self.redis.degraded_sample,
+            fallback_rate: parse_rate("redis.fallback_rate", &self.redis.fallback_rate)?,
+            fallback_capacity: self.redis.fallback_capacity,
         };
+        if !(0.0..=1.0).contains(&redis.degraded_sample) {
+            return Err(invalid(
+                "redis.degraded_sample",
+                "must be a fraction between 0 and 1",
+            ));
+        }
+        if redis.slow_window < Duration::from_millis(250) {
+            return Err(invalid("redis.slow_window", "must be at least 250ms"));
+        }
+        if redis.fallback_capacity == 0 {
+            return Err(invalid("redis.fallback_capacity", "must be at least 1"));
+        }
 
         if self.tokens.signing_keys.is_empty() {
             return Err(invalid(

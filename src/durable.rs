@@ -20,6 +20,10 @@ pub enum DurableError {
     /// decided (or the outcome is unknown and the caller must retry).
     #[error("postgres unavailable")]
     Unavailable(#[source] sqlx::Error),
+    /// No answer within the client-side bound (a stopped or partitioned
+    /// server never trips `statement_timeout`): the outcome is unknown.
+    #[error("postgres did not answer within {0:?}")]
+    TimedOut(std::time::Duration),
     #[error("postgres")]
     Other(#[source] sqlx::Error),
 }
@@ -57,7 +61,7 @@ impl From<sqlx::Error> for DurableError {
 
 impl DurableError {
     pub fn is_unavailable(&self) -> bool {
-        matches!(self, DurableError::Unavailable(_))
+        matches!(self, DurableError::Unavailable(_) | DurableError::TimedOut(_))
     }
 }
 
@@ -68,6 +72,9 @@ pub struct Pools {
     pub hot: PgPool,
     /// Audit queries, stats, reconciliation.
     pub admin: PgPool,
+    /// The longest a payment-path call may take on the client side:
+    /// `acquire_timeout + statement_timeout` and a little for the network.
+    pub deadline: std::time::Duration,
 }
 
 /// Connection options every pool uses: durable commits and bounded statements.
@@ -98,7 +105,28 @@ impl Pools {
             .min_connections(0)
             .acquire_timeout(settings.acquire_timeout)
             .connect_lazy_with(opts);
-        Ok(Pools { hot, admin })
+        let deadline = settings.acquire_timeout
+            + settings.statement_timeout
+            + std::time::Duration::from_millis(500);
+        Ok(Pools {
+            hot,
+            admin,
+            deadline,
+        })
+    }
+
+    /// Runs one payment-path call with the client-side deadline, so that a
+    /// Postgres that stopped answering (SIGSTOP, a network partition) costs a
+    /// bounded time and answers [`DurableError::TimedOut`].
+    pub async fn bounded<T, E, F>(&self, f: F) -> Result<T, DurableError>
+    where
+        F: std::future::Future<Output = Result<T, E>>,
+        E: Into<DurableError>,
+    {
+        match tokio::time::timeout(self.deadline, f).await {
+            Ok(out) => out.map_err(Into::into),
+            Err(_) => Err(DurableError::TimedOut(self.deadline)),
+        }
     }
 
     pub async fn close(&self) {

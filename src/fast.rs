@@ -3,10 +3,11 @@
 //! cluster slot). For durable biz types Redis only turns duplicates away and
 //! holds provisional markers; for fast biz types it decides, and appends what
 //! it decided to the journal stream that [`crate::journal`] drains into
-//! Postgres. Every call is bounded by `redis.timeout`; an error or timeout opens
-//! a short circuit breaker so that a dead Redis costs nothing per request.
+//! Postgres. Every call is bounded by `redis.timeout`; a connection error or a
+//! timeout opens a short circuit breaker so that a dead Redis costs nothing per
+//! request, and every answered call's latency feeds [`crate::health`].
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,11 +16,13 @@ use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 use tokio::sync::OnceCell;
 
 use crate::config::{RedisSettings, RedisTopology};
+use crate::health::{Health, Mode};
 use crate::metrics::Metrics;
 
 #[derive(Debug, thiserror::Error)]
 pub enum FastError {
-    /// Skipped without trying: the breaker is open or no connection exists yet.
+    /// The call never reached Redis (the breaker is open, the connection was
+    /// refused, or the cluster refused it): nothing ran.
     #[error("redis is marked down")]
     Down,
     #[error("redis call timed out")]
@@ -126,10 +129,8 @@ pub struct FastTier {
     settings: RedisSettings,
     conns: OnceCell<Vec<Conn>>,
     next: AtomicUsize,
-    /// Unix ms until which Redis is skipped (the breaker is open).
-    down_until_ms: AtomicI64,
-    /// Whether the last probe or call failed.
-    down: AtomicBool,
+    /// The breaker, the latency window and the mode.
+    health: Health,
     scripts: Scripts,
     metrics: Arc<Metrics>,
     cluster: bool,
@@ -139,13 +140,36 @@ impl std::fmt::Debug for FastTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FastTier")
             .field("prefix", &self.settings.key_prefix)
-            .field("down", &self.down.load(Ordering::Relaxed))
+            .field("mode", &self.health.mode())
             .finish()
     }
 }
 
 fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
+}
+
+/// Whether an error means the connection (not the command) failed: those
+/// open the breaker; a server error reply (BUSYGROUP, a script error,
+/// LOADING...) is an answer.
+fn connection_failed(e: &redis::RedisError) -> bool {
+    e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_unrecoverable_error()
+}
+
+/// Whether an error proves the command never ran (no connection, or the
+/// cluster refused it): safe to decide elsewhere.
+fn never_ran(e: &redis::RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind as S};
+    e.is_connection_refusal()
+        || matches!(
+            e.kind(),
+            ErrorKind::Server(S::TryAgain | S::ClusterDown | S::MasterDown | S::BusyLoading)
+                | ErrorKind::ClusterConnectionNotFound
+        )
 }
 
 fn opt(s: &str) -> Option<String> {
@@ -158,11 +182,10 @@ impl FastTier {
     pub fn new(settings: RedisSettings, metrics: Arc<Metrics>) -> Arc<FastTier> {
         let cluster = matches!(settings.topology, RedisTopology::Cluster(_));
         Arc::new(FastTier {
+            health: Health::new(&settings, metrics.clone()),
             settings,
             conns: OnceCell::new(),
             next: AtomicUsize::new(0),
-            down_until_ms: AtomicI64::new(0),
-            down: AtomicBool::new(false),
             scripts: Scripts {
                 consume: Script::new(include_str!("lua/consume.lua")),
                 settle: Script::new(include_str!("lua/settle.lua")),
@@ -206,7 +229,7 @@ impl FastTier {
     }
 
     async fn conn(&self) -> Result<Conn, FastError> {
-        if self.down_until_ms.load(Ordering::Relaxed) > now_ms() {
+        if self.health.skipping() {
             return Err(FastError::Down);
         }
         let conns = match self.conns.get() {
@@ -218,13 +241,15 @@ impl FastTier {
             .await
             {
                 Ok(Ok(c)) => c,
+                // No connection: nothing was sent.
                 Ok(Err(e)) => {
-                    self.trip();
-                    return Err(e.into());
+                    tracing::debug!(error = %e, "cannot connect to redis");
+                    self.health.trip();
+                    return Err(FastError::Down);
                 }
                 Err(_) => {
-                    self.trip();
-                    return Err(FastError::Timeout);
+                    self.health.trip();
+                    return Err(FastError::Down);
                 }
             },
         };
@@ -232,26 +257,18 @@ impl FastTier {
         Ok(conns[i].clone())
     }
 
-    /// Opens the breaker for `down_backoff`.
-    fn trip(&self) {
-        let was_down = self.down.swap(true, Ordering::Relaxed);
-        let backoff = i64::try_from(self.settings.down_backoff.as_millis()).unwrap_or(1000);
-        self.down_until_ms
-            .store(now_ms() + backoff, Ordering::Relaxed);
-        if !was_down {
-            tracing::warn!("redis unreachable or too slow: skipping it (mode redis_down)");
-        }
-    }
-
-    fn healthy(&self) {
-        if self.down.swap(false, Ordering::Relaxed) {
-            tracing::info!("redis reachable again (mode normal)");
-        }
-    }
-
     /// Is Redis considered down right now?
     pub fn is_down(&self) -> bool {
-        self.down.load(Ordering::Relaxed)
+        self.health.is_down()
+    }
+
+    /// The current mode (see [`crate::health`]).
+    pub fn mode(&self) -> Mode {
+        self.health.mode()
+    }
+
+    pub fn health(&self) -> &Health {
+        &self.health
     }
 
     /// Runs one call with the tier's timeout, breaker and metrics.
@@ -278,27 +295,30 @@ impl FastTier {
             .observe(start.elapsed().as_secs_f64());
         match out {
             Ok(Ok(v)) => {
-                self.healthy();
+                self.health.record(start.elapsed());
+                self.health.healthy();
                 Ok(v)
             }
             Ok(Err(e)) => {
-                // Only a failing connection opens the breaker; a server error
-                // reply (BUSYGROUP, a script error, LOADING...) is an answer.
-                if e.is_io_error()
-                    || e.is_timeout()
-                    || e.is_connection_dropped()
-                    || e.is_connection_refusal()
-                {
-                    self.trip();
-                }
                 self.metrics
                     .fast_tier_total
                     .with_label_values(&["error"])
                     .inc();
+                if never_ran(&e) {
+                    self.health.trip();
+                    tracing::debug!(error = %e, "redis refused the call; skipping it");
+                    return Err(FastError::Down);
+                }
+                if connection_failed(&e) {
+                    self.health.trip();
+                } else {
+                    self.health.record(start.elapsed());
+                }
                 Err(e.into())
             }
             Err(_) => {
-                self.trip();
+                self.health.record(self.settings.timeout);
+                self.health.trip();
                 self.metrics
                     .fast_tier_total
                     .with_label_values(&["error"])
@@ -545,10 +565,11 @@ impl FastTier {
         Ok(out)
     }
 
-    /// One probe: PING, bounded by the timeout. Closes the breaker on success.
+    /// One probe: PING, bounded by the timeout. Closes the breaker on success
+    /// (it is let through although the breaker is open), and adds a latency
+    /// sample either way.
     pub async fn probe(&self) -> bool {
-        // Bypass the breaker for the probe itself.
-        self.down_until_ms.store(0, Ordering::Relaxed);
+        self.health.half_open();
         self.call("ping", |mut c| async move {
             redis::cmd("PING")
                 .query_async::<String>(&mut c)

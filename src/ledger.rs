@@ -10,6 +10,12 @@
 //! 4. Redis learns the decision afterwards, off the answer's path. A
 //!    provisional marker past its deadline counts as absent, so a crash
 //!    between 2 and 4 never burns a token.
+//!
+//! Degraded modes ([`crate::health`]): while Redis is slow a sample of durable
+//! consumes skips step 2; while it is down durable consumes skip it, and fast
+//! consumes go to Postgres behind a per-instance cache and rate limit (or, with
+//! Postgres down too, are decided by this instance alone); what Redis missed
+//! meanwhile is written to it when it is back.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -17,7 +23,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, TimeZone, Utc};
 use governor::clock::{Clock as _, DefaultClock};
-use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
+use governor::{DefaultDirectRateLimiter, DefaultKeyedRateLimiter, Quota, RateLimiter};
 use serde_json::Value as Json;
 
 use crate::auth::Client;
@@ -28,6 +34,7 @@ use crate::durable::tokens::{
 };
 use crate::durable::{timed, DurableError, Pools};
 use crate::fast::{Attempt, ConsumeMode, FastError, FastTier, FastWrite, Marker, ScriptOutcome};
+use crate::health::Mode;
 use crate::journal;
 use crate::lease::WorkerLease;
 use crate::metrics::{Metrics, Stat};
@@ -73,7 +80,7 @@ pub enum LedgerError {
 impl LedgerError {
     fn postgres(e: DurableError) -> LedgerError {
         match e {
-            DurableError::Unavailable(_) => LedgerError::Unavailable {
+            DurableError::Unavailable(_) | DurableError::TimedOut(_) => LedgerError::Unavailable {
                 what: "postgres",
                 retry_after_secs: 1,
                 source: Some(e.into()),
@@ -173,8 +180,30 @@ fn ms_to_time(ms: i64) -> Option<DateTime<Utc>> {
 /// not look fresh to Redis afterwards).
 #[derive(Debug, Clone)]
 enum Resync {
-    Consumed { token: String, marker: Marker },
-    Forget { token: String },
+    Consumed {
+        token: String,
+        marker: Marker,
+    },
+    Forget {
+        token: String,
+    },
+    /// A fast consume this instance decided alone (Redis and Postgres both
+    /// down): the consumed marker, then the journal entry that carries it to
+    /// Postgres.
+    FastConsumed {
+        token: String,
+        marker: Marker,
+        journal: Vec<(&'static str, String)>,
+    },
+}
+
+/// Fast consumes while Redis is down.
+struct Fallback {
+    /// Fast tokens this instance saw consumed while Redis was down (by
+    /// Postgres, or by itself). Emptied when Redis is back and caught up.
+    consumed: moka::sync::Cache<i64, Marker>,
+    /// Fast consumes this instance lets through per second meanwhile.
+    limiter: DefaultDirectRateLimiter,
 }
 
 const RESYNC_LIMIT: usize = 100_000;
@@ -190,6 +219,7 @@ pub struct Ledger {
     writer: Writer,
     limiters: HashMap<BizType, DefaultKeyedRateLimiter<(String, String)>>,
     resync: Arc<Mutex<VecDeque<Resync>>>,
+    fallback: Fallback,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -227,7 +257,18 @@ impl Ledger {
                 })
             })
             .collect();
+        let fallback = Fallback {
+            consumed: moka::sync::Cache::builder()
+                .max_capacity(settings.redis.fallback_capacity)
+                .time_to_live(settings.redis.consumed_ttl.max(Duration::from_secs(1)))
+                .build(),
+            limiter: RateLimiter::direct(
+                Quota::per_second(settings.redis.fallback_rate)
+                    .allow_burst(settings.redis.fallback_rate),
+            ),
+        };
         Ledger {
+            fallback,
             codec: TokenCodec::new(settings.tokens.signing_keys.clone()),
             settings,
             clock,
@@ -260,13 +301,9 @@ impl Ledger {
         self.lease.worker_id()
     }
 
-    /// `normal`, or `redis_down` while the breaker skips Redis.
+    /// `normal`, `degraded` (Redis slow) or `redis_down` (breaker open).
     pub fn mode(&self) -> &'static str {
-        if self.fast.is_down() {
-            "redis_down"
-        } else {
-            "normal"
-        }
+        self.fast.mode().as_str()
     }
 
     fn biz_for(&self, caller: &Client, biz: &BizType) -> Result<&BizSettings, LedgerError> {
@@ -340,11 +377,19 @@ impl Ledger {
             expires_at,
         };
         // Redis first (before answering, when it is up), with a relative TTL.
-        match self
-            .fast
-            .seed(&token, claims.expires_at_ms() - now_ms)
-            .await
+        // A durable token needs no seed (a consume claims a missing key too),
+        // so the degraded sample skips it. A token issued while Redis is down
+        // is not seeded later either: its consume misses in Redis and goes to
+        // Postgres, which knows whether another instance consumed it meanwhile.
+        let seeded = if settings.durability == Durability::Durable && self.fast.health().bypass()
         {
+            Err(FastError::Down)
+        } else {
+            self.fast
+                .seed(&token, claims.expires_at_ms() - now_ms)
+                .await
+        };
+        match seeded {
             Ok(()) | Err(FastError::Down) => {}
             Err(e) => {
                 tracing::debug!(error = %e, "token not seeded in redis; consumes fall through to postgres")
@@ -512,11 +557,18 @@ impl Ledger {
             ConsumeMode::Durable
         };
         let mut claimed = false;
-        match self
-            .fast
-            .consume(&token.text, mode, &attempt, self.provisional_ms(), &[])
-            .await
-        {
+        let reply = if self.fast.health().bypass() {
+            self.metrics
+                .redis_bypass
+                .with_label_values(&["degraded_sample"])
+                .inc();
+            Err(FastError::Down)
+        } else {
+            self.fast
+                .consume(&token.text, mode, &attempt, self.provisional_ms(), &[])
+                .await
+        };
+        match reply {
             Ok(ScriptOutcome::Consumed(m)) => {
                 if let Some(answer) = classify(&Prior::from_marker(&m), input, false)? {
                     return Ok(answer);
@@ -534,17 +586,20 @@ impl Ledger {
             }
             Ok(ScriptOutcome::Claimed) => claimed = true,
             Ok(ScriptOutcome::Won { .. } | ScriptOutcome::Miss | ScriptOutcome::Issued) => {}
-            Err(e) => tracing::debug!(error = %e, "redis skipped; postgres decides alone"),
+            Err(FastError::Down) => {}
+            // The script may have run and left a provisional marker: it
+            // expires. Postgres decides either way.
+            Err(e) => tracing::debug!(error = %e, "redis failed; postgres decides alone"),
         }
         let row = timed(
             &self.metrics,
             "consume",
-            tokens::consume(
+            self.pools.bounded(tokens::consume(
                 &self.pools.hot,
                 record,
                 attempt.fingerprint,
                 attempt.request_id,
-            ),
+            )),
         )
         .await;
         let row = match row {
@@ -604,9 +659,12 @@ impl Ledger {
             }
             // Issued but past our expiry: Postgres says whether it was consumed.
             Ok(ScriptOutcome::Issued | ScriptOutcome::Claimed | ScriptOutcome::Miss) => {}
-            // Redis was skipped before anything was sent (breaker open):
-            // Postgres decides, with the per-instance guarantee of degraded mode.
-            Err(FastError::Down) => {}
+            // Nothing reached Redis (breaker open, connection refused).
+            Err(FastError::Down) => {
+                return self
+                    .consume_fast_down(token, record, input, &attempt, expired)
+                    .await
+            }
             // The script may have run and consumed the token before the reply
             // was lost: deciding again elsewhere could consume it twice. The
             // caller retries with its request_id and learns the outcome.
@@ -619,36 +677,178 @@ impl Ledger {
             }
         }
         if expired {
-            // Never consume an expired fast token in Postgres behind Redis's back.
-            let found = timed(
-                &self.metrics,
-                "find",
-                tokens::find(&self.pools.hot, record.id),
-            )
-            .await
-            .map_err(LedgerError::postgres)?;
-            return match found {
-                Some(e) if e.state == TokenState::Consumed => {
-                    answer_from_row(&ConsumeRow::Existing(e), input)
-                }
-                _ => Err(LedgerError::TokenExpired),
-            };
+            return self.expired_fast(record, input).await;
         }
-        // Redis lost the key, never had it, or is down: Postgres decides.
+        // Redis lost the key or never had it: Postgres decides.
         let row = timed(
             &self.metrics,
             "consume",
-            tokens::consume(
+            self.pools.bounded(tokens::consume(
                 &self.pools.hot,
                 record,
                 attempt.fingerprint,
                 attempt.request_id,
-            ),
+            )),
         )
         .await
         .map_err(LedgerError::postgres)?;
         self.settle_row(token, &row, None, &attempt);
         answer_from_row(&row, input)
+    }
+
+    /// A fast token past its expiry on our clock: never consumed behind
+    /// Redis's back; Postgres says whether it was consumed before.
+    async fn expired_fast(
+        &self,
+        record: &TokenRecord,
+        input: &ConsumeInput,
+    ) -> Result<ConsumeAnswer, LedgerError> {
+        let found = timed(
+            &self.metrics,
+            "find",
+            self.pools.bounded(tokens::find(&self.pools.hot, record.id)),
+        )
+        .await
+        .map_err(LedgerError::postgres)?;
+        match found {
+            Some(e) if e.state == TokenState::Consumed => {
+                answer_from_row(&ConsumeRow::Existing(e), input)
+            }
+            _ => Err(LedgerError::TokenExpired),
+        }
+    }
+
+    /// A fast consume while Redis is skipped. Duplicates this instance has
+    /// seen meanwhile are answered from memory; first uses, at most
+    /// `redis.fallback_rate` per second (more: 503), are decided by Postgres,
+    /// which is exact across the fleet. With Postgres unreachable too, this
+    /// instance decides alone (exactly once per instance) and the decision
+    /// reaches Redis and the journal when Redis is back.
+    async fn consume_fast_down(
+        &self,
+        token: &VerifiedToken,
+        record: &TokenRecord,
+        input: &ConsumeInput,
+        attempt: &Attempt<'_>,
+        expired: bool,
+    ) -> Result<ConsumeAnswer, LedgerError> {
+        self.metrics.redis_bypass.with_label_values(&["down"]).inc();
+        if let Some(m) = self.fallback.consumed.get(&record.id) {
+            if let Some(answer) = classify(&Prior::from_marker(&m), input, false)? {
+                return Ok(answer);
+            }
+        }
+        if expired {
+            return self.expired_fast(record, input).await;
+        }
+        if self.fallback.limiter.check().is_err() {
+            return Err(LedgerError::Unavailable {
+                what: "fast consumes while redis is down (over redis.fallback_rate)",
+                retry_after_secs: 1,
+                source: None,
+            });
+        }
+        let row = timed(
+            &self.metrics,
+            "consume",
+            self.pools.bounded(tokens::consume(
+                &self.pools.hot,
+                record,
+                attempt.fingerprint,
+                attempt.request_id,
+            )),
+        )
+        .await;
+        match row {
+            Ok(row) => {
+                if let Some(m) = self.marker_of(&row, attempt) {
+                    self.fallback.consumed.insert(record.id, m);
+                }
+                self.settle_row(token, &row, None, attempt);
+                answer_from_row(&row, input)
+            }
+            Err(e) if e.is_unavailable() => {
+                tracing::debug!(error = %e, "redis and postgres down: this instance decides");
+                self.consume_fast_in_memory(token, record, input, attempt)
+            }
+            Err(e) => Err(LedgerError::postgres(e)),
+        }
+    }
+
+    /// Decides a fast consume in this process: the first attempt here wins.
+    fn consume_fast_in_memory(
+        &self,
+        token: &VerifiedToken,
+        record: &TokenRecord,
+        input: &ConsumeInput,
+        attempt: &Attempt<'_>,
+    ) -> Result<ConsumeAnswer, LedgerError> {
+        let marker = Marker {
+            at_ms: self.clock.now_ms(),
+            request_id: attempt.request_id.map(str::to_owned),
+            fingerprint: attempt.fingerprint.map(str::to_owned),
+            result: None,
+        };
+        let entry = self
+            .fallback
+            .consumed
+            .entry(record.id)
+            .or_insert_with(|| marker.clone());
+        if !entry.is_fresh() {
+            let prior = Prior::from_marker(entry.value());
+            return Ok(
+                classify(&prior, input, false)?.unwrap_or(ConsumeAnswer::Duplicate {
+                    status: DuplicateStatus::Processing,
+                    consumed_at: prior.consumed_at,
+                    result: None,
+                }),
+            );
+        }
+        let mut journal = journal::consume_fields(record, attempt.request_id, attempt.fingerprint);
+        journal.push(("at", marker.at_ms.to_string()));
+        let queued = push_resync(
+            &self.resync,
+            Resync::FastConsumed {
+                token: token.text.clone(),
+                marker: marker.clone(),
+                journal,
+            },
+        );
+        if !queued {
+            self.fallback.consumed.invalidate(&record.id);
+            return Err(LedgerError::Unavailable {
+                what: "redis and postgres (the queue of writes for redis is full)",
+                retry_after_secs: 1,
+                source: None,
+            });
+        }
+        self.metrics.redis_bypass.with_label_values(&["memory"]).inc();
+        Ok(ConsumeAnswer::Consumed {
+            consumed_at: ms_to_time(marker.at_ms).unwrap_or_else(Utc::now),
+            replayed: false,
+        })
+    }
+
+    /// The consumed marker a Postgres row stands for (`None`: not consumed).
+    fn marker_of(&self, row: &ConsumeRow, attempt: &Attempt<'_>) -> Option<Marker> {
+        match row {
+            ConsumeRow::Won { consumed_at } => Some(Marker {
+                at_ms: consumed_at.timestamp_millis(),
+                request_id: attempt.request_id.map(str::to_owned),
+                fingerprint: attempt.fingerprint.map(str::to_owned),
+                result: None,
+            }),
+            ConsumeRow::Existing(e) if e.state == TokenState::Consumed => Some(Marker {
+                at_ms: e
+                    .consumed_at
+                    .map(|t| t.timestamp_millis())
+                    .unwrap_or_else(|| self.clock.now_ms()),
+                request_id: e.request_id.clone(),
+                fingerprint: e.fingerprint.clone(),
+                result: e.result.as_ref().map(Json::to_string),
+            }),
+            _ => None,
+        }
     }
 
     /// Tells Redis what Postgres decided, off the answer's path.
@@ -659,28 +859,11 @@ impl Ledger {
         owner: Option<String>,
         attempt: &Attempt<'_>,
     ) {
-        let marker = match row {
-            ConsumeRow::Won { consumed_at } => Marker {
-                at_ms: consumed_at.timestamp_millis(),
-                request_id: attempt.request_id.map(str::to_owned),
-                fingerprint: attempt.fingerprint.map(str::to_owned),
-                result: None,
-            },
-            ConsumeRow::Existing(e) if e.state == TokenState::Consumed => Marker {
-                at_ms: e
-                    .consumed_at
-                    .map(|t| t.timestamp_millis())
-                    .unwrap_or_else(|| self.clock.now_ms()),
-                request_id: e.request_id.clone(),
-                fingerprint: e.fingerprint.clone(),
-                result: e.result.as_ref().map(Json::to_string),
-            },
-            _ => {
-                if let Some(owner) = owner {
-                    self.spawn_unclaim(token, owner);
-                }
-                return;
+        let Some(marker) = self.marker_of(row, attempt) else {
+            if let Some(owner) = owner {
+                self.spawn_unclaim(token, owner);
             }
+            return;
         };
         let fast = self.fast.clone();
         let text = token.text.clone();
@@ -710,25 +893,50 @@ impl Ledger {
     }
 
     /// Replays Redis writes queued while it was down. Returns how many remain.
+    /// Once none remain and Redis is up, this instance's memory of fast
+    /// consumes is dropped: Redis knows them now.
     pub async fn resync_redis(&self) -> usize {
-        loop {
+        let mut replayed = 0usize;
+        let left = loop {
             let next = {
                 let mut q = self.resync.lock().unwrap_or_else(|p| p.into_inner());
                 q.pop_front()
             };
-            let Some(item) = next else { return 0 };
+            let Some(item) = next else { break 0 };
             let done = match &item {
                 Resync::Consumed { token, marker } => {
                     self.fast.settle_consumed(token, marker).await
                 }
                 Resync::Forget { token } => self.fast.forget(token).await,
+                Resync::FastConsumed {
+                    token,
+                    marker,
+                    journal,
+                } => match self.fast.settle_consumed(token, marker).await {
+                    Ok(()) => self.fast.append_journal(journal).await,
+                    Err(e) => Err(e),
+                },
             };
             if done.is_err() {
                 let mut q = self.resync.lock().unwrap_or_else(|p| p.into_inner());
                 q.push_front(item);
-                return q.len();
+                break q.len();
             }
+            replayed += 1;
+        };
+        self.metrics.resync_depth.set(left as i64);
+        if replayed > 0 {
+            tracing::info!(replayed, left, "redis writes queued while it was down replayed");
         }
+        if left == 0 && self.fast.mode() != Mode::RedisDown {
+            self.fallback.consumed.invalidate_all();
+        }
+        left
+    }
+
+    /// Redis writes waiting for Redis.
+    pub fn resync_pending(&self) -> usize {
+        self.resync.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
     // ---- result -----------------------------------------------------------
@@ -768,7 +976,8 @@ impl Ledger {
         let row = timed(
             &self.metrics,
             "result",
-            tokens::set_result(&self.pools.hot, id, result),
+            self.pools
+                .bounded(tokens::set_result(&self.pools.hot, id, result)),
         )
         .await
         .map_err(LedgerError::postgres)?;
@@ -854,7 +1063,7 @@ impl Ledger {
         let row = timed(
             &self.metrics,
             "release",
-            tokens::release(&self.pools.hot, id),
+            self.pools.bounded(tokens::release(&self.pools.hot, id)),
         )
         .await
         .map_err(LedgerError::postgres)?;
@@ -865,6 +1074,7 @@ impl Ledger {
     }
 }
 
+/// Queues a write for Redis; `false` when the queue is full.
 fn push_resync(queue: &Mutex<VecDeque<Resync>>, item: Resync) -> bool {
     let mut q = queue.lock().unwrap_or_else(|p| p.into_inner());
     if q.len() < RESYNC_LIMIT {

@@ -9,6 +9,7 @@
 //! - [`token`]: the token codec, HMAC tags, snowflake ids, the clock. Pure.
 //! - [`lease`]: the snowflake worker id this instance holds.
 //! - [`fast`]: the Redis tier and its Lua scripts.
+//! - [`health`]: Redis's breaker, latency window and the mode (normal, degraded, redis_down).
 //! - [`durable`]: the Postgres tier: pools, migrations, every SQL statement.
 //! - [`ledger`]: issue, consume, result, release: the only module using both tiers.
 //! - [`journal`]: fast-type decisions drained from a Redis stream into Postgres.
@@ -25,6 +26,7 @@ pub mod config;
 pub mod domain;
 pub mod durable;
 pub mod fast;
+pub mod health;
 pub mod http;
 pub mod journal;
 pub mod lease;

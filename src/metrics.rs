@@ -39,6 +39,9 @@ pub struct Metrics {
     pub fast_tier_total: IntCounterVec,
     pub redis_eviction_unsafe: IntGauge,
     pub issue_buffer_depth: IntGauge,
+    pub redis_p99: Gauge,
+    pub redis_bypass: IntCounterVec,
+    pub resync_depth: IntGauge,
     pending: Mutex<HashMap<String, StatCounts>>,
 }
 
@@ -116,6 +119,24 @@ impl Metrics {
             "Issuance records waiting to be written to Postgres.",
         )
         .expect("valid metric");
+        let redis_p99 = Gauge::new(
+            "ledger_redis_p99_seconds",
+            "p99 latency of Redis calls over redis.slow_window (above redis.slow_threshold: mode degraded).",
+        )
+        .expect("valid metric");
+        let redis_bypass = IntCounterVec::new(
+            Opts::new(
+                "ledger_redis_bypass_total",
+                "Consumes decided without Redis: degraded_sample (the sample while degraded), down (breaker open), memory (fast type decided by this instance alone).",
+            ),
+            &["reason"],
+        )
+        .expect("valid metric");
+        let resync_depth = IntGauge::new(
+            "ledger_redis_resync_depth",
+            "Redis writes queued while it was down, replayed when it is back.",
+        )
+        .expect("valid metric");
         for c in [
             Box::new(tokens_issued.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(consume_total.clone()),
@@ -126,6 +147,9 @@ impl Metrics {
             Box::new(fast_tier_total.clone()),
             Box::new(redis_eviction_unsafe.clone()),
             Box::new(issue_buffer_depth.clone()),
+            Box::new(redis_p99.clone()),
+            Box::new(redis_bypass.clone()),
+            Box::new(resync_depth.clone()),
         ] {
             registry.register(c).expect("distinct metric names");
         }
@@ -135,6 +159,9 @@ impl Metrics {
         }
         for r in ["hit", "miss", "error"] {
             fast_tier_total.with_label_values(&[r]);
+        }
+        for r in ["degraded_sample", "down", "memory"] {
+            redis_bypass.with_label_values(&[r]);
         }
         Metrics {
             registry,
@@ -147,6 +174,9 @@ impl Metrics {
             fast_tier_total,
             redis_eviction_unsafe,
             issue_buffer_depth,
+            redis_p99,
+            redis_bypass,
+            resync_depth,
             pending: Mutex::new(HashMap::new()),
         }
     }

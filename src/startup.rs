@@ -17,6 +17,7 @@ use crate::auth::Clients;
 use crate::config::Settings;
 use crate::durable::{setup, Pools};
 use crate::fast::FastTier;
+use crate::health::Mode;
 use crate::http::{self, AppState};
 use crate::lease::WorkerLease;
 use crate::ledger::Ledger;
@@ -164,25 +165,26 @@ impl Application {
     }
 }
 
-/// Probes Redis while it is marked down, replays queued writes when it is
-/// back, and keeps `ledger_mode` current.
+/// Every 250 ms: probes Redis while it is marked down (the breaker's recovery
+/// probe) or slow (so that the latency window keeps moving without traffic),
+/// replays the writes queued for Redis once it answers, and re-evaluates the
+/// mode (logged once per change, exported as `ledger_mode`).
 async fn watch_redis(ledger: Arc<Ledger>, shutdown: CancellationToken) {
-    let mut last_mode = "";
     loop {
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(250)) => {}
             _ = shutdown.cancelled() => return,
         }
-        if ledger.fast().is_down() && ledger.fast().probe().await {
+        let fast = ledger.fast();
+        if fast.mode() != Mode::Normal {
+            fast.probe().await;
+        }
+        if !fast.is_down() {
             let left = ledger.resync_redis().await;
             if left > 0 {
                 tracing::warn!(left, "redis writes still queued");
             }
         }
-        let mode = ledger.mode();
-        if mode != last_mode {
-            ledger.metrics().set_mode(mode);
-            last_mode = mode;
-        }
+        fast.health().evaluate();
     }
 }

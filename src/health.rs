@@ -1,0 +1,253 @@
+//! Redis health and the service's mode. The breaker (open after a connection
+//! error or a timeout, for `redis.down_backoff`), a window of recent Redis
+//! call latencies, and the mode they make: `redis_down` while the breaker is
+//! open, `degraded` while the p99 over `redis.slow_window` is above
+//! `redis.slow_threshold`, else `normal`. Every mode change is logged once and
+//! exported as `ledger_mode{mode}`.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::config::RedisSettings;
+use crate::metrics::Metrics;
+
+/// How the service treats Redis right now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Every consume asks Redis first.
+    Normal,
+    /// Redis is slow: a sample of durable consumes bypasses it.
+    Degraded,
+    /// The breaker is open: Redis is skipped at no cost.
+    RedisDown,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Normal => "normal",
+            Mode::Degraded => "degraded",
+            Mode::RedisDown => "redis_down",
+        }
+    }
+    fn code(self) -> u8 {
+        match self {
+            Mode::Normal => 0,
+            Mode::Degraded => 1,
+            Mode::RedisDown => 2,
+        }
+    }
+}
+
+/// At most this many latency samples are kept (the oldest go first).
+const MAX_SAMPLES: usize = 8192;
+
+pub struct Health {
+    threshold: Duration,
+    window: Duration,
+    sample: f64,
+    backoff: Duration,
+    /// (when, how long) of recent Redis calls that got an answer or timed out.
+    samples: Mutex<VecDeque<(Instant, Duration)>>,
+    /// The p99 was above the threshold at the last evaluation.
+    slow: AtomicBool,
+    /// The breaker is open (the last call or probe failed to connect).
+    down: AtomicBool,
+    /// Unix ms until which calls are skipped without trying.
+    down_until_ms: AtomicI64,
+    /// The mode last logged and exported (`Mode::code`).
+    reported: AtomicU8,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for Health {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Health")
+            .field("mode", &self.mode())
+            .finish_non_exhaustive()
+    }
+}
+
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+impl Health {
+    pub fn new(settings: &RedisSettings, metrics: Arc<Metrics>) -> Health {
+        Health {
+            threshold: settings.slow_threshold,
+            window: settings.slow_window,
+            sample: settings.degraded_sample,
+            backoff: settings.down_backoff,
+            samples: Mutex::new(VecDeque::new()),
+            slow: AtomicBool::new(false),
+            down: AtomicBool::new(false),
+            down_until_ms: AtomicI64::new(0),
+            reported: AtomicU8::new(Mode::Normal.code()),
+            metrics,
+        }
+    }
+
+    pub fn mode(&self) -> Mode {
+        if self.down.load(Ordering::Relaxed) {
+            Mode::RedisDown
+        } else if self.slow.load(Ordering::Relaxed) {
+            Mode::Degraded
+        } else {
+            Mode::Normal
+        }
+    }
+
+    pub fn is_down(&self) -> bool {
+        self.down.load(Ordering::Relaxed)
+    }
+
+    /// Whether calls are skipped right now (the breaker is open and its
+    /// backoff has not passed).
+    pub fn skipping(&self) -> bool {
+        self.down_until_ms.load(Ordering::Relaxed) > now_ms()
+    }
+
+    /// Lets the next call through although the backoff has not passed (the
+    /// recovery probe).
+    pub fn half_open(&self) {
+        self.down_until_ms.store(0, Ordering::Relaxed);
+    }
+
+    /// Whether this durable consume should skip Redis: while degraded, a
+    /// `redis.degraded_sample` fraction of them does.
+    pub fn bypass(&self) -> bool {
+        self.mode() == Mode::Degraded && rand::random::<f64>() < self.sample
+    }
+
+    /// Opens the breaker for `redis.down_backoff`.
+    pub fn trip(&self) {
+        let backoff = i64::try_from(self.backoff.as_millis()).unwrap_or(1000);
+        self.down_until_ms
+            .store(now_ms() + backoff, Ordering::Relaxed);
+        self.down.store(true, Ordering::Relaxed);
+        self.report();
+    }
+
+    /// A call got an answer: closes the breaker.
+    pub fn healthy(&self) {
+        if self.down.swap(false, Ordering::Relaxed) {
+            self.report();
+        }
+    }
+
+    /// Records one call's latency (answered, or timed out).
+    pub fn record(&self, took: Duration) {
+        let now = Instant::now();
+        let mut s = self.samples.lock().unwrap_or_else(|p| p.into_inner());
+        if s.len() >= MAX_SAMPLES {
+            s.pop_front();
+        }
+        s.push_back((now, took));
+    }
+
+    /// The p99 of the calls in the window; `None` without calls.
+    pub fn p99(&self) -> Option<Duration> {
+        let now = Instant::now();
+        let mut latencies: Vec<Duration> = {
+            let mut s = self.samples.lock().unwrap_or_else(|p| p.into_inner());
+            while s
+                .front()
+                .is_some_and(|(at, _)| now.duration_since(*at) > self.window)
+            {
+                s.pop_front();
+            }
+            s.iter().map(|(_, d)| *d).collect()
+        };
+        if latencies.is_empty() {
+            return None;
+        }
+        latencies.sort_unstable();
+        let rank = (latencies.len() * 99).div_ceil(100).max(1) - 1;
+        latencies.get(rank).copied()
+    }
+
+    /// Re-evaluates `degraded` from the window; returns the mode.
+    pub fn evaluate(&self) -> Mode {
+        let p99 = self.p99();
+        self.slow.store(
+            p99.is_some_and(|p| p > self.threshold),
+            Ordering::Relaxed,
+        );
+        if let Some(p) = p99 {
+            self.metrics.redis_p99.set(p.as_secs_f64());
+        }
+        self.report();
+        self.mode()
+    }
+
+    /// Logs and exports the mode if it changed since the last report.
+    fn report(&self) {
+        let mode = self.mode();
+        let before = self.reported.swap(mode.code(), Ordering::Relaxed);
+        if before == mode.code() {
+            return;
+        }
+        self.metrics.set_mode(mode.as_str());
+        let p99_ms = self.p99().map(|d| d.as_millis() as u64);
+        match mode {
+            Mode::Normal => tracing::info!(mode = mode.as_str(), ?p99_ms, "redis healthy again: mode normal"),
+            Mode::Degraded => tracing::warn!(
+                mode = mode.as_str(),
+                ?p99_ms,
+                threshold_ms = self.threshold.as_millis() as u64,
+                sample = self.sample,
+                "redis slow: mode degraded (a sample of durable consumes bypasses it)"
+            ),
+            Mode::RedisDown => tracing::warn!(
+                mode = mode.as_str(),
+                "redis unreachable or timing out: mode redis_down (durable: postgres alone; fast: postgres with a local cache)"
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Settings;
+
+    fn health(extra: &str) -> Health {
+        let s = Settings::from_toml_over_defaults(extra).expect("valid");
+        Health::new(&s.redis, Arc::new(Metrics::new()))
+    }
+
+    #[test]
+    fn modes_follow_latency_and_breaker() {
+        let h = health("[redis]\nslow_threshold = \"100ms\"\nslow_window = \"1s\"");
+        assert_eq!(h.evaluate(), Mode::Normal);
+        for _ in 0..199 {
+            h.record(Duration::from_millis(1));
+        }
+        h.record(Duration::from_millis(150));
+        assert_eq!(h.evaluate(), Mode::Normal, "one slow call in 200 is within the 1 %");
+        h.record(Duration::from_millis(150));
+        h.record(Duration::from_millis(150));
+        assert_eq!(h.evaluate(), Mode::Degraded);
+        h.trip();
+        assert_eq!(h.mode(), Mode::RedisDown);
+        assert!(h.skipping());
+        h.half_open();
+        assert!(!h.skipping());
+        h.healthy();
+        assert_eq!(h.mode(), Mode::Degraded);
+        h.samples.lock().unwrap().clear();
+        assert_eq!(h.evaluate(), Mode::Normal);
+    }
+
+    #[test]
+    fn bypass_only_while_degraded() {
+        let h = health("[redis]\ndegraded_sample = 1.0\nslow_threshold = \"1ms\"");
+        assert!(!h.bypass());
+        h.record(Duration::from_millis(5));
+        h.evaluate();
+        assert!(h.bypass());
+    }
+}
