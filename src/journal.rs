@@ -1,8 +1,9 @@
 //! The fast-type journal: what Redis decided for fast biz types (consume,
 //! result, release) reaches Postgres through a Redis stream read by a consumer
-//! group. An entry is acknowledged only after Postgres has it; entries left
-//! pending by a dead instance are claimed after 30 s. Applying an entry twice
-//! changes nothing.
+//! group. An entry is acknowledged only after Postgres has it: after a failed
+//! round (Postgres down) this consumer re-reads its own pending entries first;
+//! entries left pending by a dead instance are claimed after 30 s. Applying an
+//! entry twice changes nothing.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -147,6 +148,9 @@ pub async fn run(fast: Arc<FastTier>, pool: PgPool, consumer: String, shutdown: 
     let key = fast.journal_key();
     let mut group_ready = false;
     let mut last_claim = tokio::time::Instant::now();
+    // Entries this consumer read but did not acknowledge (a failed round, or
+    // an earlier life under the same worker id) come first.
+    let mut own_pending = true;
     loop {
         if shutdown.is_cancelled() {
             break;
@@ -158,12 +162,14 @@ pub async fn run(fast: Arc<FastTier>, pool: PgPool, consumer: String, shutdown: 
             &consumer,
             &mut group_ready,
             &mut last_claim,
+            &mut own_pending,
         )
         .await
         {
             Ok(0) => Duration::from_millis(50),
             Ok(_) => Duration::ZERO,
             Err(e) => {
+                own_pending = true;
                 tracing::debug!(error = %e, "journal not drained this round");
                 Duration::from_millis(500)
             }
@@ -177,7 +183,9 @@ pub async fn run(fast: Arc<FastTier>, pool: PgPool, consumer: String, shutdown: 
     }
 }
 
-/// One round; returns how many entries were applied.
+/// One round; returns how many entries were applied. With `own_pending`, it
+/// re-reads the entries this consumer holds unacknowledged first (and clears
+/// the flag once there are none).
 pub async fn drain_once(
     fast: &FastTier,
     pool: &PgPool,
@@ -185,6 +193,7 @@ pub async fn drain_once(
     consumer: &str,
     group_ready: &mut bool,
     last_claim: &mut tokio::time::Instant,
+    own_pending: &mut bool,
 ) -> anyhow::Result<usize> {
     if !*group_ready {
         let created = fast
@@ -225,7 +234,13 @@ pub async fn drain_once(
             .await?;
         entries.extend(claimed.claimed);
     }
-    if entries.is_empty() {
+    for from in ["0", ">"] {
+        if !entries.is_empty() {
+            break;
+        }
+        if from == "0" && !*own_pending {
+            continue;
+        }
         let read: StreamReadReply = fast
             .raw("xreadgroup", |mut c| async move {
                 redis::cmd("XREADGROUP")
@@ -236,12 +251,15 @@ pub async fn drain_once(
                     .arg(BATCH)
                     .arg("STREAMS")
                     .arg(key)
-                    .arg(">")
+                    .arg(from)
                     .query_async(&mut c)
                     .await
             })
             .await?;
         entries = read.keys.into_iter().flat_map(|k| k.ids).collect();
+        if from == "0" && entries.is_empty() {
+            *own_pending = false;
+        }
     }
     if entries.is_empty() {
         return Ok(0);

@@ -23,6 +23,8 @@ pub struct Stores {
     pub db_name: String,
     pub prefix: String,
     pub redis_url: String,
+    /// `postgres://user@host:port` of the server holding `db_name`.
+    pub pg_base: String,
     /// Extra TOML merged over the test defaults.
     pub extra: String,
 }
@@ -34,6 +36,7 @@ impl Stores {
             db_name: format!("ledger_t_{id}"),
             prefix: format!("ledger-t-{id}:"),
             redis_url: REDIS_URL.to_owned(),
+            pg_base: PG_BASE.to_owned(),
             extra: String::new(),
         }
     }
@@ -46,13 +49,19 @@ impl Stores {
         self.redis_url = url.to_owned();
         self
     }
+    /// Another Postgres server (a private one in the fault tests).
+    pub fn postgres(mut self, base: &str) -> Stores {
+        self.pg_base = base.to_owned();
+        self
+    }
     pub fn db_url(&self) -> String {
-        format!("{PG_BASE}/{}", self.db_name)
+        format!("{}/{}", self.pg_base, self.db_name)
     }
     pub fn settings(&self) -> Settings {
         // Top-level keys must come before any table in TOML, and `extra` may
-        // hold tables of its own: so the tables below are written as dotted keys.
-        let toml = format!(
+        // hold tables of its own: so the tables below are written as dotted
+        // keys. `extra` is merged over them (it may override any of them).
+        let base = format!(
             r#"
 server.listen = "127.0.0.1:0"
 server.workers = 2
@@ -64,14 +73,28 @@ redis.url = "{redis}"
 redis.key_prefix = "{prefix}"
 redis.timeout = "2s"
 tokens.provisional_ttl = "1s"
-{extra}
 "#,
             db = self.db_url(),
             prefix = self.prefix,
             redis = self.redis_url,
-            extra = self.extra,
         );
+        let mut table: toml::Table = base.parse().expect("base test config");
+        let extra: toml::Table = self.extra.parse().expect("extra test config is TOML");
+        merge(&mut table, extra);
+        let toml = toml::to_string(&table).expect("serializable");
         Settings::from_toml_over_defaults(&toml).expect("test settings are valid")
+    }
+}
+
+/// Deep-merges `over` into `base` (tables key by key, anything else replaced).
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
     }
 }
 

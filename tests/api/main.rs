@@ -4,7 +4,9 @@
 mod bad_input;
 mod concurrency;
 mod consume;
+mod faults;
 mod fleet;
 mod helpers;
 mod issue;
+mod procs;
 mod result_release;

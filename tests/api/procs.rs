@@ -1,0 +1,401 @@
+//! Private servers for the fault tests: a redis-server, a 6-node Redis Cluster,
+//! a Postgres instance and the service binary itself, each on free ports in
+//! its own temporary directory, killed when dropped. The shared Postgres and
+//! Redis are never stopped, paused or reconfigured.
+
+use std::fs::File;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
+
+/// A port that is free now, and whose cluster bus port (+10000) is free too.
+pub fn free_port() -> u16 {
+    loop {
+        let port = 20_000 + rand::random::<u16>() % 35_000;
+        let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if free(port) && free(port + 10_000) {
+            return port;
+        }
+    }
+}
+
+/// Polls `ready` every 20 ms for at most `secs` seconds; panics with `what`.
+fn wait_for(secs: u64, what: &str, mut ready: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !ready() {
+        assert!(Instant::now() < deadline, "{what} not ready in {secs} s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
+    String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+}
+
+fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .arg("-s")
+        .arg(sig)
+        .arg(pid.to_string())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(ok, "kill -s {sig} {pid}");
+}
+
+/// `redis-cli -p PORT args...`, its output (empty when the server is down).
+pub fn redis_cli(port: u16, args: &[&str]) -> String {
+    run(Command::new("redis-cli")
+        .arg("-p")
+        .arg(port.to_string())
+        .args(args))
+}
+
+// ---- redis --------------------------------------------------------------------
+
+/// One redis-server, standalone or a cluster node.
+pub struct RedisProc {
+    pub port: u16,
+    child: Option<Child>,
+    dir: TempDir,
+    cluster: bool,
+}
+
+impl RedisProc {
+    /// A standalone server with `DEBUG` enabled, no persistence.
+    pub fn start() -> RedisProc {
+        Self::start_with(false)
+    }
+
+    fn start_with(cluster: bool) -> RedisProc {
+        let mut r = RedisProc {
+            port: free_port(),
+            child: None,
+            dir: tempfile::tempdir().expect("tempdir"),
+            cluster,
+        };
+        r.spawn();
+        r
+    }
+
+    fn spawn(&mut self) {
+        let mut cmd = Command::new("redis-server");
+        cmd.arg("--port")
+            .arg(self.port.to_string())
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(["--enable-debug-command", "local", "--daemonize", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .arg("--logfile")
+            .arg(self.dir.path().join("redis.log"));
+        if self.cluster {
+            cmd.args(["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"])
+                .args(["--cluster-node-timeout", "1000"]);
+        }
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server starts");
+        self.child = Some(child);
+        let port = self.port;
+        wait_for(10, "redis-server", || {
+            redis_cli(port, &["ping"]).contains("PONG")
+        });
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// SIGKILL, and reap it.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts it again on the same port (empty: nothing is persisted).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// SIGSTOP: the server keeps its sockets and answers nothing.
+    pub fn pause(&self) {
+        signal(self.pid(), "STOP");
+    }
+
+    /// SIGCONT.
+    pub fn resume(&self) {
+        signal(self.pid(), "CONT");
+    }
+
+    pub fn cli(&self, args: &[&str]) -> String {
+        redis_cli(self.port, args)
+    }
+
+    pub async fn conn(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.url())
+            .expect("redis url")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("redis connection")
+    }
+}
+
+impl Drop for RedisProc {
+    fn drop(&mut self) {
+        if let Some(c) = &self.child {
+            // A stopped process still dies of SIGKILL; CONT just in case.
+            let _ = Command::new("kill")
+                .args(["-s", "CONT", &c.id().to_string()])
+                .stderr(Stdio::null())
+                .status();
+        }
+        self.kill();
+    }
+}
+
+/// A Redis Cluster of 3 masters and 3 replicas (node timeout 1 s).
+pub struct Cluster {
+    pub nodes: Vec<RedisProc>,
+}
+
+impl Cluster {
+    pub fn start() -> Cluster {
+        let nodes: Vec<RedisProc> = (0..6).map(|_| RedisProc::start_with(true)).collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = run(Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"]));
+        assert!(out.contains("All 16384 slots covered"), "{out}");
+        let cluster = Cluster { nodes };
+        cluster.wait_healthy(&[]);
+        cluster
+    }
+
+    /// Seed URLs for `redis.cluster_nodes`.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisProc::url).collect()
+    }
+
+    pub fn is_master(&self, i: usize) -> bool {
+        self.nodes[i].cli(&["role"]).starts_with("master")
+    }
+
+    /// Waits until every live node says the cluster is ok with all slots
+    /// served, and every live replica's link to its master is up.
+    pub fn wait_healthy(&self, dead: &[usize]) {
+        for (i, n) in self.nodes.iter().enumerate() {
+            if dead.contains(&i) {
+                continue;
+            }
+            wait_for(30, "cluster state ok", || {
+                let info = n.cli(&["cluster", "info"]);
+                info.contains("cluster_state:ok") && info.contains("cluster_slots_ok:16384")
+            });
+            let role = n.cli(&["role"]);
+            if role.starts_with("slave") {
+                let master_dead = dead.iter().any(|d| {
+                    role.lines()
+                        .nth(2)
+                        .is_some_and(|p| p.trim() == self.nodes[*d].port.to_string())
+                });
+                if !master_dead {
+                    wait_for(30, "replica link", || {
+                        n.cli(&["info", "replication"])
+                            .contains("master_link_status:up")
+                    });
+                }
+            }
+        }
+    }
+}
+
+// ---- postgres -----------------------------------------------------------------
+
+/// A private Postgres 15 (trust auth, user `postgres`) in a temporary data
+/// directory, run as the `postgres` OS user when we are root.
+pub struct PgProc {
+    pub port: u16,
+    dir: TempDir,
+}
+
+fn as_postgres(program: &str) -> Command {
+    let root = run(Command::new("id").arg("-u")).trim() == "0";
+    if root {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(Path::new(PG_BIN).join(program));
+        c
+    } else {
+        Command::new(Path::new(PG_BIN).join(program))
+    }
+}
+
+impl PgProc {
+    pub fn start() -> PgProc {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let _ = run(Command::new("chown")
+            .args(["-R", "postgres:postgres"])
+            .arg(dir.path()));
+        let pg = PgProc {
+            port: free_port(),
+            dir,
+        };
+        let out = run(as_postgres("initdb")
+            .arg("-D")
+            .arg(pg.data())
+            .args(["-U", "postgres", "-A", "trust", "-N", "--no-instructions"]));
+        assert!(pg.data().join("PG_VERSION").exists(), "initdb: {out}");
+        pg.start_again();
+        pg
+    }
+
+    fn data(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    /// `postgres://postgres@127.0.0.1:PORT`, for `Stores::postgres`.
+    pub fn base(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}", self.port)
+    }
+
+    /// `pg_ctl start -w` on the same port and data.
+    pub fn start_again(&self) {
+        let opts = format!(
+            // fsync off: a stop, even an immediate one, is no OS crash, and
+            // the restart's recovery checkpoint is quick.
+            "-p {} -c listen_addresses=127.0.0.1 -k {} -c max_connections=50 -c fsync=off",
+            self.port,
+            self.dir.path().display()
+        );
+        let out = run(as_postgres("pg_ctl")
+            .arg("-D")
+            .arg(self.data())
+            .arg("-l")
+            .arg(self.dir.path().join("pg.log"))
+            .args(["-o", &opts, "-w", "-t", "30", "start"]));
+        assert!(out.contains("server started"), "pg_ctl start: {out}");
+    }
+
+    /// `pg_ctl stop -m immediate`: like a crash, no shutdown checkpoint.
+    pub fn stop_immediate(&self) {
+        let _ = run(as_postgres("pg_ctl")
+            .arg("-D")
+            .arg(self.data())
+            .args(["-m", "immediate", "-w", "stop"]));
+    }
+}
+
+impl Drop for PgProc {
+    fn drop(&mut self) {
+        self.stop_immediate();
+    }
+}
+
+// ---- the service binary -------------------------------------------------------
+
+/// The real `idempotency-ledger serve`, started with a config file.
+pub struct LedgerProc {
+    pub port: u16,
+    child: Option<Child>,
+    pub log: PathBuf,
+    config: PathBuf,
+}
+
+impl LedgerProc {
+    /// Writes `config` (TOML; `server.listen` is added) into `dir` and serves.
+    pub fn start(dir: &Path, name: &str, config: &str) -> LedgerProc {
+        let port = free_port();
+        let path = dir.join(format!("{name}.toml"));
+        std::fs::write(
+            &path,
+            format!("[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 2\n{config}"),
+        )
+        .expect("config written");
+        let log = dir.join(format!("{name}.log"));
+        let mut p = LedgerProc {
+            port,
+            child: None,
+            log,
+            config: path,
+        };
+        p.spawn();
+        p
+    }
+
+    fn spawn(&mut self) {
+        let log = File::create(&self.log).expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_idempotency-ledger"))
+            .arg("--config")
+            .arg(&self.config)
+            .arg("serve")
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .expect("the service starts");
+        self.child = Some(child);
+    }
+
+    pub fn address(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Waits until `/healthz` answers.
+    pub async fn wait_ready(&mut self) {
+        let url = format!("{}/healthz", self.address());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(r) = reqwest::get(&url).await {
+                if r.status().is_success() {
+                    return;
+                }
+            }
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
+                panic!(
+                    "the service exited ({status}): {}",
+                    std::fs::read_to_string(&self.log).unwrap_or_default()
+                );
+            }
+            assert!(Instant::now() < deadline, "the service did not start");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// SIGKILL, and reap it.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for LedgerProc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
