@@ -61,7 +61,10 @@ impl From<sqlx::Error> for DurableError {
 
 impl DurableError {
     pub fn is_unavailable(&self) -> bool {
-        matches!(self, DurableError::Unavailable(_) | DurableError::TimedOut(_))
+        matches!(
+            self,
+            DurableError::Unavailable(_) | DurableError::TimedOut(_)
+        )
     }
 }
 

@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
-use tokio::sync::OnceCell;
 
 use crate::config::{RedisSettings, RedisTopology};
 use crate::health::{Health, Mode};
@@ -127,7 +126,11 @@ struct Scripts {
 
 pub struct FastTier {
     settings: RedisSettings,
-    conns: OnceCell<Vec<Conn>>,
+    /// The connections, made on first use; dropped to be made again from
+    /// the seed nodes when a cluster stays unreachable (see [`FastTier::probe`]).
+    conns: std::sync::RwLock<Option<Arc<Vec<Conn>>>>,
+    /// Held while connecting, so that one caller connects and the others wait.
+    connecting: tokio::sync::Mutex<()>,
     next: AtomicUsize,
     /// The breaker, the latency window and the mode.
     health: Health,
@@ -184,7 +187,8 @@ impl FastTier {
         Arc::new(FastTier {
             health: Health::new(&settings, metrics.clone()),
             settings,
-            conns: OnceCell::new(),
+            conns: std::sync::RwLock::new(None),
+            connecting: tokio::sync::Mutex::new(()),
             next: AtomicUsize::new(0),
             scripts: Scripts {
                 consume: Script::new(include_str!("lua/consume.lua")),
@@ -228,33 +232,59 @@ impl FastTier {
         }
     }
 
+    fn pick(&self) -> Option<Conn> {
+        let conns = self
+            .conns
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()?;
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % conns.len();
+        conns.get(i).cloned()
+    }
+
     async fn conn(&self) -> Result<Conn, FastError> {
         if self.health.skipping() {
             return Err(FastError::Down);
         }
-        let conns = match self.conns.get() {
-            Some(c) => c,
-            None => match tokio::time::timeout(
-                self.settings.timeout.max(Duration::from_millis(500)),
-                self.conns.get_or_try_init(|| self.connect()),
-            )
-            .await
-            {
-                Ok(Ok(c)) => c,
-                // No connection: nothing was sent.
-                Ok(Err(e)) => {
-                    tracing::debug!(error = %e, "cannot connect to redis");
-                    self.health.trip();
-                    return Err(FastError::Down);
-                }
-                Err(_) => {
-                    self.health.trip();
-                    return Err(FastError::Down);
-                }
-            },
-        };
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % conns.len();
-        Ok(conns[i].clone())
+        if let Some(c) = self.pick() {
+            return Ok(c);
+        }
+        let bound = self.settings.timeout.max(Duration::from_millis(500));
+        let made = tokio::time::timeout(bound, async {
+            let _one = self.connecting.lock().await;
+            if let Some(c) = self.pick() {
+                return Ok(c);
+            }
+            let conns = self.connect().await?;
+            *self.conns.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(conns));
+            self.pick().ok_or_else(|| {
+                redis::RedisError::from((redis::ErrorKind::Client, "no connections"))
+            })
+        })
+        .await;
+        match made {
+            Ok(Ok(c)) => Ok(c),
+            // No connection: nothing was sent.
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "cannot connect to redis");
+                self.health.trip();
+                Err(FastError::Down)
+            }
+            Err(_) => {
+                self.health.trip();
+                Err(FastError::Down)
+            }
+        }
+    }
+
+    /// Drops a cluster connection so that the next call connects afresh from
+    /// the seed nodes and reads the slot map again. The cluster client only
+    /// refreshes its map on a redirect, and a master that died never sends
+    /// one: after a failover it would keep calling the dead address.
+    fn reconnect_cluster(&self) {
+        if self.cluster {
+            *self.conns.write().unwrap_or_else(|p| p.into_inner()) = None;
+        }
     }
 
     /// Is Redis considered down right now?
@@ -568,16 +598,25 @@ impl FastTier {
     /// One probe: PING, bounded by the timeout. Closes the breaker on success
     /// (it is let through although the breaker is open), and adds a latency
     /// sample either way.
+    ///
+    /// On a cluster PING goes to every master, so the probe succeeds once
+    /// every slot is served again; while it fails the cluster connection is
+    /// made afresh, which reads the new slot map after a failover.
     pub async fn probe(&self) -> bool {
         self.health.half_open();
-        self.call("ping", |mut c| async move {
-            redis::cmd("PING")
-                .query_async::<String>(&mut c)
-                .await
-                .map(|_| ())
-        })
-        .await
-        .is_ok()
+        let ok = self
+            .call("ping", |mut c| async move {
+                redis::cmd("PING")
+                    .query_async::<String>(&mut c)
+                    .await
+                    .map(|_| ())
+            })
+            .await
+            .is_ok();
+        if !ok {
+            self.reconnect_cluster();
+        }
+        ok
     }
 
     /// `CONFIG GET maxmemory-policy` (standalone only); `None` when unknown.

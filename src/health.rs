@@ -172,10 +172,8 @@ impl Health {
     /// Re-evaluates `degraded` from the window; returns the mode.
     pub fn evaluate(&self) -> Mode {
         let p99 = self.p99();
-        self.slow.store(
-            p99.is_some_and(|p| p > self.threshold),
-            Ordering::Relaxed,
-        );
+        self.slow
+            .store(p99.is_some_and(|p| p > self.threshold), Ordering::Relaxed);
         if let Some(p) = p99 {
             self.metrics.redis_p99.set(p.as_secs_f64());
         }
@@ -227,7 +225,11 @@ mod tests {
             h.record(Duration::from_millis(1));
         }
         h.record(Duration::from_millis(150));
-        assert_eq!(h.evaluate(), Mode::Normal, "one slow call in 200 is within the 1 %");
+        assert_eq!(
+            h.evaluate(),
+            Mode::Normal,
+            "one slow call in 200 is within the 1 %"
+        );
         h.record(Duration::from_millis(150));
         h.record(Duration::from_millis(150));
         assert_eq!(h.evaluate(), Mode::Degraded);

@@ -381,8 +381,7 @@ impl Ledger {
         // so the degraded sample skips it. A token issued while Redis is down
         // is not seeded later either: its consume misses in Redis and goes to
         // Postgres, which knows whether another instance consumed it meanwhile.
-        let seeded = if settings.durability == Durability::Durable && self.fast.health().bypass()
-        {
+        let seeded = if settings.durability == Durability::Durable && self.fast.health().bypass() {
             Err(FastError::Down)
         } else {
             self.fast
@@ -822,7 +821,10 @@ impl Ledger {
                 source: None,
             });
         }
-        self.metrics.redis_bypass.with_label_values(&["memory"]).inc();
+        self.metrics
+            .redis_bypass
+            .with_label_values(&["memory"])
+            .inc();
         Ok(ConsumeAnswer::Consumed {
             consumed_at: ms_to_time(marker.at_ms).unwrap_or_else(Utc::now),
             replayed: false,
@@ -926,7 +928,11 @@ impl Ledger {
         };
         self.metrics.resync_depth.set(left as i64);
         if replayed > 0 {
-            tracing::info!(replayed, left, "redis writes queued while it was down replayed");
+            tracing::info!(
+                replayed,
+                left,
+                "redis writes queued while it was down replayed"
+            );
         }
         if left == 0 && self.fast.mode() != Mode::RedisDown {
             self.fallback.consumed.invalidate_all();

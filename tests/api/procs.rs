@@ -98,8 +98,13 @@ impl RedisProc {
             .arg("--logfile")
             .arg(self.dir.path().join("redis.log"));
         if self.cluster {
-            cmd.args(["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"])
-                .args(["--cluster-node-timeout", "1000"]);
+            cmd.args([
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+            ])
+            .args(["--cluster-node-timeout", "1000"]);
         }
         let child = cmd
             .stdin(Stdio::null())
@@ -204,6 +209,22 @@ impl Cluster {
         self.nodes[i].cli(&["role"]).starts_with("master")
     }
 
+    /// The index of the replica of master `i`.
+    pub fn replica_of(&self, i: usize) -> usize {
+        let port = self.nodes[i].port.to_string();
+        (0..self.nodes.len())
+            .find(|r| {
+                let role = self.nodes[*r].cli(&["role"]);
+                role.starts_with("slave") && role.lines().nth(2).is_some_and(|p| p.trim() == port)
+            })
+            .expect("every master has a replica")
+    }
+
+    /// Waits until replica `r` has been promoted to master.
+    pub fn wait_promoted(&self, r: usize) {
+        wait_for(30, "replica promotion", || self.is_master(r));
+    }
+
     /// Waits until every live node says the cluster is ok with all slots
     /// served, and every live replica's link to its master is up.
     pub fn wait_healthy(&self, dead: &[usize]) {
@@ -246,7 +267,8 @@ fn as_postgres(program: &str) -> Command {
     let root = run(Command::new("id").arg("-u")).trim() == "0";
     if root {
         let mut c = Command::new("runuser");
-        c.args(["-u", "postgres", "--"]).arg(Path::new(PG_BIN).join(program));
+        c.args(["-u", "postgres", "--"])
+            .arg(Path::new(PG_BIN).join(program));
         c
     } else {
         Command::new(Path::new(PG_BIN).join(program))
@@ -263,10 +285,14 @@ impl PgProc {
             port: free_port(),
             dir,
         };
-        let out = run(as_postgres("initdb")
-            .arg("-D")
-            .arg(pg.data())
-            .args(["-U", "postgres", "-A", "trust", "-N", "--no-instructions"]));
+        let out = run(as_postgres("initdb").arg("-D").arg(pg.data()).args([
+            "-U",
+            "postgres",
+            "-A",
+            "trust",
+            "-N",
+            "--no-instructions",
+        ]));
         assert!(pg.data().join("PG_VERSION").exists(), "initdb: {out}");
         pg.start_again();
         pg
@@ -301,10 +327,12 @@ impl PgProc {
 
     /// `pg_ctl stop -m immediate`: like a crash, no shutdown checkpoint.
     pub fn stop_immediate(&self) {
-        let _ = run(as_postgres("pg_ctl")
-            .arg("-D")
-            .arg(self.data())
-            .args(["-m", "immediate", "-w", "stop"]));
+        let _ = run(as_postgres("pg_ctl").arg("-D").arg(self.data()).args([
+            "-m",
+            "immediate",
+            "-w",
+            "stop",
+        ]));
     }
 }
 
