@@ -706,6 +706,21 @@ mod tests {
     }
 
     #[test]
+    fn degraded_mode_keys_are_checked() {
+        let s = Settings::load_with_env(None, Vec::new()).expect("defaults are valid");
+        assert_eq!(s.redis.slow_threshold, Duration::from_millis(200));
+        assert_eq!(s.redis.degraded_sample, 0.1);
+        assert_eq!(s.postgres.acquire_timeout, Duration::from_secs(1));
+        let err = Settings::from_toml_over_defaults("[redis]\ndegraded_sample = 1.5").unwrap_err();
+        assert!(err.to_string().contains("redis.degraded_sample"), "{err}");
+        let err = Settings::from_toml_over_defaults("[redis]\nslow_window = \"10ms\"").unwrap_err();
+        assert!(err.to_string().contains("redis.slow_window"), "{err}");
+        let err =
+            Settings::from_toml_over_defaults("[redis]\nfallback_rate = \"fast\"").unwrap_err();
+        assert!(err.to_string().contains("redis.fallback_rate"), "{err}");
+    }
+
+    #[test]
     fn rates() {
         assert_eq!(parse_rate("k", "100/s").unwrap().get(), 100);
         assert_eq!(parse_rate("k", "90/m").unwrap().get(), 2);
