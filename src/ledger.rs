@@ -202,6 +202,9 @@ struct Fallback {
     /// Fast tokens this instance saw consumed while Redis was down (by
     /// Postgres, or by itself). Emptied when Redis is back and caught up.
     consumed: moka::sync::Cache<i64, Marker>,
+    /// Fast tokens whose Redis consume script was sent but never answered:
+    /// it may have consumed them, so they wait for Redis.
+    uncertain: moka::sync::Cache<i64, ()>,
     /// Fast consumes this instance lets through per second meanwhile.
     limiter: DefaultDirectRateLimiter,
 }
@@ -259,6 +262,10 @@ impl Ledger {
             .collect();
         let fallback = Fallback {
             consumed: moka::sync::Cache::builder()
+                .max_capacity(settings.redis.fallback_capacity)
+                .time_to_live(settings.redis.consumed_ttl.max(Duration::from_secs(1)))
+                .build(),
+            uncertain: moka::sync::Cache::builder()
                 .max_capacity(settings.redis.fallback_capacity)
                 .time_to_live(settings.redis.consumed_ttl.max(Duration::from_secs(1)))
                 .build(),
@@ -665,14 +672,17 @@ impl Ledger {
                     .await
             }
             // The script may have run and consumed the token before the reply
-            // was lost: deciding again elsewhere could consume it twice. The
-            // caller retries with its request_id and learns the outcome.
+            // was lost (or may still run, late): deciding again elsewhere
+            // could consume it twice. The caller retries with its request_id
+            // and learns the outcome; until Redis answers again, this
+            // instance does not decide the token without it.
             Err(e) => {
+                self.fallback.uncertain.insert(record.id, ());
                 return Err(LedgerError::Unavailable {
                     what: "redis (outcome unknown; retry with the same request_id)",
                     retry_after_secs: 1,
                     source: Some(e.into()),
-                })
+                });
             }
         }
         if expired {
@@ -739,6 +749,13 @@ impl Ledger {
         }
         if expired {
             return self.expired_fast(record, input).await;
+        }
+        if self.fallback.uncertain.contains_key(&record.id) {
+            return Err(LedgerError::Unavailable {
+                what: "redis (an earlier consume of this token may have run there; retry with the same request_id)",
+                retry_after_secs: 1,
+                source: None,
+            });
         }
         if self.fallback.limiter.check().is_err() {
             return Err(LedgerError::Unavailable {
@@ -936,6 +953,7 @@ impl Ledger {
         }
         if left == 0 && self.fast.mode() != Mode::RedisDown {
             self.fallback.consumed.invalidate_all();
+            self.fallback.uncertain.invalidate_all();
         }
         left
     }

@@ -299,6 +299,7 @@ redis.down_backoff = "300ms"
 redis.slow_threshold = "50ms"
 redis.slow_window = "1s"
 redis.degraded_sample = 0.5
+biz.like.ttl = "60s"
 "#,
     ))
     .await;
@@ -370,14 +371,48 @@ redis.degraded_sample = 0.5
     wait_mode(&app, 10, "normal").await;
 
     // Paused: nothing answers; consumes wait at most redis.timeout, then
-    // Postgres decides alone.
+    // Postgres decides alone. A fast consume whose script was sent but never
+    // answered may still run (it does, once Redis resumes): its token is not
+    // decided elsewhere meanwhile.
+    let like = app.issue(PAYMENTS, "like", "fan").await;
     redis.pause();
+    let (s, _, body) = consume(&app, &like, &json!({"subject": "fan", "request_id": "a"})).await;
+    assert_eq!(
+        (s, body["error"].as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, Some("unavailable")),
+        "{body}"
+    );
+    let (s, _, body) = consume(&app, &like, &json!({"subject": "fan", "request_id": "b"})).await;
+    assert_eq!(
+        (s, body["error"].as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, Some("unavailable")),
+        "{body}"
+    );
     consume_one().await;
     assert_eq!(wait_mode(&app, 10, "redis_down").await["redis"], "down");
     consume_one().await;
     redis.resume();
     wait_mode(&app, 10, "normal").await;
     consume_one().await;
+    // Exactly one of the two attempts won (the first, if its late script
+    // ran), and it alone hears `consumed`. Right after the recovery a retry
+    // may still get 503 (nothing changed); it retries.
+    let mut winners = std::collections::BTreeSet::new();
+    for rid in ["b", "a", "b", "a"] {
+        let body = eventually(5, || {
+            let (app, like) = (&app, &like);
+            async move {
+                let (s, _, body) =
+                    consume(app, like, &json!({"subject": "fan", "request_id": rid})).await;
+                (s == StatusCode::OK).then_some(body)
+            }
+        })
+        .await;
+        if body["outcome"] == "consumed" {
+            winners.insert(rid);
+        }
+    }
+    assert_eq!(winners.len(), 1, "one of the two attempts won: {winners:?}");
 }
 
 // ---- a stale replica ------------------------------------------------------------
