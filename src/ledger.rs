@@ -71,6 +71,11 @@ pub enum LedgerError {
 }
 
 impl LedgerError {
+    /// Postgres unreachable: 503; anything else: 500.
+    pub fn from_durable(e: DurableError) -> LedgerError {
+        Self::postgres(e)
+    }
+
     fn postgres(e: DurableError) -> LedgerError {
         match e {
             DurableError::Unavailable(_) => LedgerError::Unavailable {
@@ -269,7 +274,14 @@ impl Ledger {
         }
     }
 
-    fn biz_for(&self, caller: &Client, biz: &BizType) -> Result<&BizSettings, LedgerError> {
+    /// The biz type's settings, if it is configured (422) and granted (403).
+
+    /// The biz type's settings, if it is configured (422) and granted (403).
+    pub fn biz_settings_for(
+        &self,
+        caller: &Client,
+        biz: &BizType,
+    ) -> Result<&BizSettings, LedgerError> {
         let settings = self
             .settings
             .biz(biz)
@@ -290,7 +302,7 @@ impl Ledger {
         subject: &Subject,
         ttl_seconds: Option<u64>,
     ) -> Result<Issued, LedgerError> {
-        let settings = self.biz_for(caller, biz)?;
+        let settings = self.biz_settings_for(caller, biz)?;
         let max_ttl = settings.ttl.as_secs().max(1);
         let ttl = match ttl_seconds {
             None => max_ttl,
@@ -384,13 +396,13 @@ impl Ledger {
         biz_type: Option<&BizType>,
     ) -> Result<(VerifiedToken, &BizSettings), LedgerError> {
         let token = self.verify(text)?;
-        let settings = self.biz_for(caller, &token.claims.biz_type)?;
+        let settings = self.biz_settings_for(caller, &token.claims.biz_type)?;
         if !self
             .codec
             .is_bound_to(&token, &caller.name, subject.as_str())
             || biz_type.is_some_and(|b| *b != token.claims.biz_type)
         {
-            self.count(&token.claims.biz_type, "mismatch", None);
+            self.count_consume(&token.claims.biz_type, "mismatch", None);
             return Err(LedgerError::TokenMismatch);
         }
         Ok((token, settings))
@@ -416,7 +428,10 @@ impl Ledger {
         })
     }
 
-    fn record_of(
+    /// The row a consume of `token` writes.
+
+    /// The row a consume of `token` writes.
+    pub fn record_for(
         &self,
         token: &VerifiedToken,
         settings: &BizSettings,
@@ -436,7 +451,29 @@ impl Ledger {
         }
     }
 
-    fn count(&self, biz: &BizType, outcome: &str, stat: Option<Stat>) {
+    /// Order events count as consumes in metrics and stats.
+
+    /// Writes a consumed marker to Redis off the answer's path (queued for
+    /// later when Redis is down).
+    pub fn settle_consumed_in_background(&self, token: &str, marker: Marker) {
+        let fast = self.fast.clone();
+        let text = token.to_owned();
+        let resync = self.resync.clone();
+        tokio::spawn(async move {
+            if fast.settle_consumed(&text, &marker).await.is_err() {
+                push_resync(
+                    &resync,
+                    Resync::Consumed {
+                        token: text,
+                        marker,
+                    },
+                );
+            }
+        });
+    }
+
+    /// Counts a consume outcome (order events count as consumes too).
+    pub fn count_consume(&self, biz: &BizType, outcome: &str, stat: Option<Stat>) {
         self.metrics
             .consume_total
             .with_label_values(&[biz.as_str(), outcome])
@@ -458,7 +495,7 @@ impl Ledger {
         let (token, settings) =
             self.authorize(caller, text, &input.subject, input.biz_type.as_ref())?;
         let biz = token.claims.biz_type.clone();
-        let record = self.record_of(&token, settings, caller, &input.subject);
+        let record = self.record_for(&token, settings, caller, &input.subject);
         let answer = match settings.durability {
             Durability::Durable => self.consume_durable(&token, &record, input).await,
             Durability::Fast => self.consume_fast(&token, &record, input).await,
@@ -466,17 +503,21 @@ impl Ledger {
         match &answer {
             Ok(ConsumeAnswer::Consumed {
                 replayed: false, ..
-            }) => self.count(&biz, "consumed", Some(Stat::Consumed)),
+            }) => self.count_consume(&biz, "consumed", Some(Stat::Consumed)),
             Ok(ConsumeAnswer::Consumed { replayed: true, .. }) => {
-                self.count(&biz, "replayed", None)
+                self.count_consume(&biz, "replayed", None)
             }
             Ok(ConsumeAnswer::Duplicate { .. }) => {
                 self.writer.duplicate(record.id);
-                self.count(&biz, "duplicate", Some(Stat::Duplicate))
+                self.count_consume(&biz, "duplicate", Some(Stat::Duplicate))
             }
-            Err(LedgerError::TokenExpired) => self.count(&biz, "expired", Some(Stat::Expired)),
-            Err(LedgerError::FingerprintMismatch) => self.count(&biz, "fingerprint_mismatch", None),
-            Err(LedgerError::Unavailable { .. }) => self.count(&biz, "unavailable", None),
+            Err(LedgerError::TokenExpired) => {
+                self.count_consume(&biz, "expired", Some(Stat::Expired))
+            }
+            Err(LedgerError::FingerprintMismatch) => {
+                self.count_consume(&biz, "fingerprint_mismatch", None)
+            }
+            Err(LedgerError::Unavailable { .. }) => self.count_consume(&biz, "unavailable", None),
             Err(_) => {}
         }
         tracing::debug!(token = %token.redacted(), outcome = ?answer.as_ref().map(|_| ()), "consume");
@@ -682,21 +723,7 @@ impl Ledger {
                 return;
             }
         };
-        let fast = self.fast.clone();
-        let text = token.text.clone();
-        let resync = self.resync.clone();
-        tokio::spawn(async move {
-            if let Err(e) = fast.settle_consumed(&text, &marker).await {
-                tracing::debug!(error = %e, "consumed marker not written to redis; queued");
-                push_resync(
-                    &resync,
-                    Resync::Consumed {
-                        token: text,
-                        marker,
-                    },
-                );
-            }
-        });
+        self.settle_consumed_in_background(&token.text, marker);
     }
 
     fn spawn_unclaim(&self, token: &VerifiedToken, owner: String) {

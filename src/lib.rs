@@ -11,6 +11,7 @@
 //! - [`fast`]: the Redis tier and its Lua scripts.
 //! - [`durable`]: the Postgres tier: pools, migrations, every SQL statement.
 //! - [`ledger`]: issue, consume, result, release: the only module using both tiers.
+//! - [`orders`]: the payment state machine, atomic with token consumption.
 //! - [`journal`]: fast-type decisions drained from a Redis stream into Postgres.
 //! - [`writer`]: batched Postgres writes that may lag the answer.
 //! - [`metrics`]: Prometheus metrics and fleet-wide stats counters.
@@ -30,6 +31,7 @@ pub mod journal;
 pub mod lease;
 pub mod ledger;
 pub mod metrics;
+pub mod orders;
 pub mod startup;
 pub mod telemetry;
 pub mod token;

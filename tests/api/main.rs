@@ -7,4 +7,6 @@ mod consume;
 mod fleet;
 mod helpers;
 mod issue;
+mod orders;
+mod orders_model;
 mod result_release;
