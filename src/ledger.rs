@@ -275,8 +275,6 @@ impl Ledger {
     }
 
     /// The biz type's settings, if it is configured (422) and granted (403).
-
-    /// The biz type's settings, if it is configured (422) and granted (403).
     pub fn biz_settings_for(
         &self,
         caller: &Client,
@@ -429,8 +427,6 @@ impl Ledger {
     }
 
     /// The row a consume of `token` writes.
-
-    /// The row a consume of `token` writes.
     pub fn record_for(
         &self,
         token: &VerifiedToken,
@@ -450,8 +446,6 @@ impl Ledger {
             expires_at: ms_to_time(c.expires_at_ms()).unwrap_or_else(Utc::now),
         }
     }
-
-    /// Order events count as consumes in metrics and stats.
 
     /// Writes a consumed marker to Redis off the answer's path (queued for
     /// later when Redis is down).
@@ -563,14 +557,12 @@ impl Ledger {
                     return Ok(answer);
                 }
             }
+            // Another attempt is in flight. Racing copies of one request id
+            // go to Postgres, which decides which copy answers first (the
+            // others replay it); see `classify` for the rest.
             Ok(ScriptOutcome::Provisional(m)) => {
-                let prior = Prior::from_marker(&m);
-                // The same attempt racing itself: Postgres decides which copy
-                // answers first; the others replay it.
-                if !same_request(&prior, input) {
-                    if let Some(answer) = classify(&prior, input, true)? {
-                        return Ok(answer);
-                    }
+                if let Some(answer) = classify(&Prior::from_marker(&m), input, true)? {
+                    return Ok(answer);
                 }
             }
             Ok(ScriptOutcome::Claimed) => claimed = true,
@@ -636,11 +628,8 @@ impl Ledger {
                 }
             }
             Ok(ScriptOutcome::Provisional(m)) => {
-                let prior = Prior::from_marker(&m);
-                if !same_request(&prior, input) {
-                    if let Some(answer) = classify(&prior, input, true)? {
-                        return Ok(answer);
-                    }
+                if let Some(answer) = classify(&Prior::from_marker(&m), input, true)? {
+                    return Ok(answer);
                 }
             }
             // Issued but past our expiry: Postgres says whether it was consumed.
@@ -913,15 +902,20 @@ fn classify(
     input: &ConsumeInput,
     in_flight: bool,
 ) -> Result<Option<ConsumeAnswer>, LedgerError> {
+    // A provisional marker belongs to an attempt whose outcome is not known
+    // yet (it may fail, or it may itself be a duplicate that found the token
+    // consumed in Postgres). Only a plain duplicate, with no request id or
+    // fingerprint to compare, is answered from it; anything that needs the
+    // winner's identity goes to Postgres.
+    if in_flight && (input.request_id.is_some() || input.fingerprint.is_some()) {
+        return Ok(None);
+    }
     if let (Some(a), Some(b)) = (&prior.fingerprint, &input.fingerprint) {
         if a != b.as_str() {
             return Err(LedgerError::FingerprintMismatch);
         }
     }
     if same_request(prior, input) {
-        if in_flight {
-            return Ok(None);
-        }
         return Ok(Some(ConsumeAnswer::Consumed {
             consumed_at: prior.consumed_at.unwrap_or_else(Utc::now),
             replayed: true,
