@@ -10,3 +10,4 @@ mod issue;
 mod orders;
 mod orders_model;
 mod result_release;
+mod startup_checks;
