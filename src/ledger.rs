@@ -448,13 +448,22 @@ impl Ledger {
     }
 
     /// Writes a consumed marker to Redis off the answer's path (queued for
-    /// later when Redis is down).
-    pub fn settle_consumed_in_background(&self, token: &str, marker: Marker) {
+    /// later when Redis is down). `owner`: our provisional marker, if we set one.
+    pub fn settle_consumed_in_background(
+        &self,
+        token: &str,
+        owner: Option<String>,
+        marker: Marker,
+    ) {
         let fast = self.fast.clone();
         let text = token.to_owned();
         let resync = self.resync.clone();
         tokio::spawn(async move {
-            if fast.settle_consumed(&text, &marker).await.is_err() {
+            if let Err(e) = fast
+                .settle_consumed(&text, owner.as_deref(), &marker, false)
+                .await
+            {
+                tracing::debug!(error = %e, "consumed marker not written to redis; queued");
                 push_resync(
                     &resync,
                     Resync::Consumed {
@@ -712,7 +721,7 @@ impl Ledger {
                 return;
             }
         };
-        self.settle_consumed_in_background(&token.text, marker);
+        self.settle_consumed_in_background(&token.text, owner, marker);
     }
 
     fn spawn_unclaim(&self, token: &VerifiedToken, owner: String) {
@@ -735,7 +744,7 @@ impl Ledger {
             let Some(item) = next else { return 0 };
             let done = match &item {
                 Resync::Consumed { token, marker } => {
-                    self.fast.settle_consumed(token, marker).await
+                    self.fast.settle_consumed(token, None, marker, true).await
                 }
                 Resync::Forget { token } => self.fast.forget(token).await,
             };
@@ -875,7 +884,16 @@ impl Ledger {
         .await
         .map_err(LedgerError::postgres)?;
         match row {
-            ReleaseRow::Released { .. } => Ok(()),
+            ReleaseRow::Released { .. } => {
+                // Redis holds `issued` again, so that a consumed marker written
+                // late by a consume that raced this release is refused.
+                let fast = self.fast.clone();
+                let text = token.text.clone();
+                tokio::spawn(async move {
+                    let _ = fast.set_issued(&text, remaining).await;
+                });
+                Ok(())
+            }
             ReleaseRow::Existing(_) | ReleaseRow::Unknown => Err(LedgerError::NotReleasable),
         }
     }

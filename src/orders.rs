@@ -454,6 +454,7 @@ impl<'a> Orders<'a> {
         ledger.count_consume(&biz, "consumed", Some(Stat::Consumed));
         ledger.settle_consumed_in_background(
             &token.text,
+            None,
             Marker {
                 at_ms: Utc::now().timestamp_millis(),
                 request_id: write.request_id.map(str::to_owned),
