@@ -10,7 +10,7 @@
 --          'unclaim':  our provisional marker goes back to issued (the consume
 --                      did not commit), only if we still own it
 --          'issued':   set to issued (release), whatever it was
---          'result':   add the result (ARGV[7]) to a consumed marker
+--          'result':   add the result (ARGV[7]) to the key, if it exists
 -- ARGV[2]  owner (unclaim, consumed)
 -- ARGV[3]  lifetime, ms (consumed: the consumed marker's; unclaim/issued: the
 --          token's remaining ttl; <= 0 deletes the key)
@@ -31,7 +31,9 @@ if op == 'consumed' or op == 'consumed_force' then
   return 1
 end
 if op == 'result' then
-  if redis.call('HGET', key, 's') == 'c' then redis.call('HSET', key, 'res', ARGV[7]) end
+  -- Whatever the state: a consumed marker written later by the winner's own
+  -- settle (which never clears `res`) then carries the result too.
+  if redis.call('EXISTS', key) == 1 then redis.call('HSET', key, 'res', ARGV[7]) end
   return 1
 end
 if op == 'unclaim' then
