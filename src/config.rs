@@ -126,7 +126,6 @@ struct RawTokens {
     retention: String,
     provisional_ttl: String,
     worker_lease_ttl: String,
-    issue_flush_interval: String,
     issue_buffer: usize,
 }
 
@@ -240,7 +239,6 @@ pub struct TokenSettings {
     pub retention: Duration,
     pub provisional_ttl: Duration,
     pub worker_lease_ttl: Duration,
-    pub issue_flush_interval: Duration,
     pub issue_buffer: usize,
 }
 
@@ -535,10 +533,6 @@ impl Raw {
             worker_lease_ttl: parse_duration(
                 "tokens.worker_lease_ttl",
                 &self.tokens.worker_lease_ttl,
-            )?,
-            issue_flush_interval: parse_duration(
-                "tokens.issue_flush_interval",
-                &self.tokens.issue_flush_interval,
             )?,
             issue_buffer: self.tokens.issue_buffer.max(1),
         };

@@ -4,6 +4,7 @@
 //! Every hot statement touches one token or one order key.
 
 pub mod lease;
+pub mod orders;
 pub mod setup;
 pub mod tokens;
 

@@ -471,10 +471,26 @@ impl FastTier {
         .await
     }
 
-    /// Writes Postgres's decision back (see `settle.lua`).
-    pub async fn settle_consumed(&self, token: &str, marker: &Marker) -> Result<(), FastError> {
-        self.settle(token, "consumed", "", self.consumed_ttl_ms(), Some(marker))
-            .await
+    /// Writes Postgres's "consumed" back (see `settle.lua`). Unless `force`,
+    /// only over a missing key, a consumed marker, or our own (`owner`)
+    /// provisional marker: never over an `issued` key, which a release may
+    /// have just written.
+    pub async fn settle_consumed(
+        &self,
+        token: &str,
+        owner: Option<&str>,
+        marker: &Marker,
+        force: bool,
+    ) -> Result<(), FastError> {
+        let op = if force { "consumed_force" } else { "consumed" };
+        self.settle(
+            token,
+            op,
+            owner.unwrap_or(""),
+            self.consumed_ttl_ms(),
+            Some(marker),
+        )
+        .await
     }
 
     /// Our provisional marker goes back to issued with `remaining_ms` to live.

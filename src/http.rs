@@ -1,4 +1,4 @@
-//! The HTTP surface of API.md: routes ([`tokens`], [`ops`]), extractors
+//! The HTTP surface of API.md: routes ([`tokens`], [`orders`], [`ops`]), extractors
 //! ([`extract`]), the error body ([`error`]) and the generated OpenAPI
 //! description ([`openapi`]). Handlers receive the ledger, never a pool.
 
@@ -6,6 +6,7 @@ pub mod error;
 pub mod extract;
 pub mod openapi;
 pub mod ops;
+pub mod orders;
 pub mod tokens;
 
 use std::sync::Arc;
@@ -64,6 +65,11 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .service(resource("/v1/tokens/{token}/consume").route(web::post().to(tokens::consume)))
         .service(resource("/v1/tokens/{token}/result").route(web::post().to(tokens::result)))
         .service(resource("/v1/tokens/{token}/release").route(web::post().to(tokens::release)))
+        .service(resource("/v1/orders").route(web::post().to(orders::create)))
+        .service(resource("/v1/orders/{order_id}").route(web::get().to(orders::get)))
+        .service(resource("/v1/orders/{order_id}/pay").route(web::post().to(orders::pay)))
+        .service(resource("/v1/orders/{order_id}/refund").route(web::post().to(orders::refund)))
+        .service(resource("/v1/orders/{order_id}/close").route(web::post().to(orders::close)))
         .default_service(web::to(not_found));
 }
 

@@ -1,10 +1,10 @@
 //! The snowflake worker id this instance holds: taken from Postgres at start,
-//! renewed in the background, and given up when it can no longer be renewed
-//! in time, at which point issuing stops (503) rather than risk another
-//! instance making the same ids.
+//! renewed in the background. When it cannot be renewed in time, issuing
+//! stops (503) rather than risk another instance making the same ids; when it
+//! turns out to be lost, a fresh worker id is leased and issuing resumes.
 
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use sqlx::PgPool;
@@ -17,7 +17,8 @@ use crate::token::{Clock, IdGenerator, SnowflakeId};
 #[derive(Debug)]
 pub struct WorkerLease {
     holder: Uuid,
-    ids: IdGenerator,
+    /// Replaced when the lease is lost and a new worker id is taken.
+    ids: RwLock<Arc<IdGenerator>>,
     ttl: Duration,
     /// Local (clock) ms until which the lease is surely ours.
     valid_until_ms: AtomicI64,
@@ -49,15 +50,19 @@ impl WorkerLease {
         tracing::info!(worker_id = taken.worker_id, "leased snowflake worker id");
         Ok(Arc::new(WorkerLease {
             holder,
-            ids: IdGenerator::new(taken.worker_id, floor),
+            ids: RwLock::new(Arc::new(IdGenerator::new(taken.worker_id, floor))),
             ttl,
             valid_until_ms: AtomicI64::new(started + trusted_ms(ttl)),
             clock,
         }))
     }
 
+    fn ids(&self) -> Arc<IdGenerator> {
+        self.ids.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     pub fn worker_id(&self) -> u16 {
-        self.ids.worker()
+        self.ids().worker()
     }
 
     /// The next id, or `None` when the lease may have lapsed.
@@ -66,13 +71,13 @@ impl WorkerLease {
         if now >= self.valid_until_ms.load(Ordering::Acquire) {
             return None;
         }
-        Some(self.ids.next(now))
+        Some(self.ids().next(now))
     }
 
     /// The mark the next holder must start above: nothing this holder makes
     /// before its lease runs out can carry a later millisecond.
     fn promise_ms(&self) -> i64 {
-        self.ids.high_water_ms().max(self.clock.now_ms())
+        self.ids().high_water_ms().max(self.clock.now_ms())
             + i64::try_from(self.ttl.as_millis()).unwrap_or(0)
     }
 
@@ -111,13 +116,34 @@ impl WorkerLease {
                         worker_id = self.worker_id(),
                         "worker-id lease lost; issuing stops until re-leased"
                     );
-                    // Try to take a fresh id (possibly the same one) is left to
-                    // a restart: an instance without a lease refuses to issue.
+                    self.lease_again(&pool).await;
                 }
                 Err(e) => tracing::warn!(error = %e, "could not renew the worker-id lease"),
             }
         }
-        let _ = lease::release(&pool, self.worker_id(), self.holder, self.promise_ms()).await;
+        // Nothing more is issued: the next holder may start right above what
+        // this one used.
+        let mark = self.ids().high_water_ms().max(self.clock.now_ms());
+        let _ = lease::release(&pool, self.worker_id(), self.holder, mark).await;
+    }
+
+    /// Takes a fresh worker id after the old lease was lost.
+    async fn lease_again(&self, pool: &PgPool) {
+        let started = self.clock.now_ms();
+        match lease::acquire(pool, self.holder, self.ttl).await {
+            Ok(Some(taken)) => {
+                let ids = Arc::new(IdGenerator::new(taken.worker_id, taken.floor_ms.max(0)));
+                *self.ids.write().unwrap_or_else(|p| p.into_inner()) = ids;
+                self.valid_until_ms
+                    .store(started + trusted_ms(self.ttl), Ordering::Release);
+                tracing::warn!(
+                    worker_id = taken.worker_id,
+                    "leased a new snowflake worker id; issuing resumes"
+                );
+            }
+            Ok(None) => tracing::error!("no free worker id to lease"),
+            Err(e) => tracing::warn!(error = %e, "could not lease a new worker id"),
+        }
     }
 }
 

@@ -78,6 +78,11 @@ pub enum LedgerError {
 }
 
 impl LedgerError {
+    /// Postgres unreachable: 503; anything else: 500.
+    pub fn from_durable(e: DurableError) -> LedgerError {
+        Self::postgres(e)
+    }
+
     fn postgres(e: DurableError) -> LedgerError {
         match e {
             DurableError::Unavailable(_) | DurableError::TimedOut(_) => LedgerError::Unavailable {
@@ -313,7 +318,12 @@ impl Ledger {
         self.fast.mode().as_str()
     }
 
-    fn biz_for(&self, caller: &Client, biz: &BizType) -> Result<&BizSettings, LedgerError> {
+    /// The biz type's settings, if it is configured (422) and granted (403).
+    pub fn biz_settings_for(
+        &self,
+        caller: &Client,
+        biz: &BizType,
+    ) -> Result<&BizSettings, LedgerError> {
         let settings = self
             .settings
             .biz(biz)
@@ -334,7 +344,7 @@ impl Ledger {
         subject: &Subject,
         ttl_seconds: Option<u64>,
     ) -> Result<Issued, LedgerError> {
-        let settings = self.biz_for(caller, biz)?;
+        let settings = self.biz_settings_for(caller, biz)?;
         let max_ttl = settings.ttl.as_secs().max(1);
         let ttl = match ttl_seconds {
             None => max_ttl,
@@ -435,13 +445,13 @@ impl Ledger {
         biz_type: Option<&BizType>,
     ) -> Result<(VerifiedToken, &BizSettings), LedgerError> {
         let token = self.verify(text)?;
-        let settings = self.biz_for(caller, &token.claims.biz_type)?;
+        let settings = self.biz_settings_for(caller, &token.claims.biz_type)?;
         if !self
             .codec
             .is_bound_to(&token, &caller.name, subject.as_str())
             || biz_type.is_some_and(|b| *b != token.claims.biz_type)
         {
-            self.count(&token.claims.biz_type, "mismatch", None);
+            self.count_consume(&token.claims.biz_type, "mismatch", None);
             return Err(LedgerError::TokenMismatch);
         }
         Ok((token, settings))
@@ -467,7 +477,8 @@ impl Ledger {
         })
     }
 
-    fn record_of(
+    /// The row a consume of `token` writes.
+    pub fn record_for(
         &self,
         token: &VerifiedToken,
         settings: &BizSettings,
@@ -487,7 +498,36 @@ impl Ledger {
         }
     }
 
-    fn count(&self, biz: &BizType, outcome: &str, stat: Option<Stat>) {
+    /// Writes a consumed marker to Redis off the answer's path (queued for
+    /// later when Redis is down). `owner`: our provisional marker, if we set one.
+    pub fn settle_consumed_in_background(
+        &self,
+        token: &str,
+        owner: Option<String>,
+        marker: Marker,
+    ) {
+        let fast = self.fast.clone();
+        let text = token.to_owned();
+        let resync = self.resync.clone();
+        tokio::spawn(async move {
+            if let Err(e) = fast
+                .settle_consumed(&text, owner.as_deref(), &marker, false)
+                .await
+            {
+                tracing::debug!(error = %e, "consumed marker not written to redis; queued");
+                push_resync(
+                    &resync,
+                    Resync::Consumed {
+                        token: text,
+                        marker,
+                    },
+                );
+            }
+        });
+    }
+
+    /// Counts a consume outcome (order events count as consumes too).
+    pub fn count_consume(&self, biz: &BizType, outcome: &str, stat: Option<Stat>) {
         self.metrics
             .consume_total
             .with_label_values(&[biz.as_str(), outcome])
@@ -509,7 +549,7 @@ impl Ledger {
         let (token, settings) =
             self.authorize(caller, text, &input.subject, input.biz_type.as_ref())?;
         let biz = token.claims.biz_type.clone();
-        let record = self.record_of(&token, settings, caller, &input.subject);
+        let record = self.record_for(&token, settings, caller, &input.subject);
         let answer = match settings.durability {
             Durability::Durable => self.consume_durable(&token, &record, input).await,
             Durability::Fast => self.consume_fast(&token, &record, input).await,
@@ -517,17 +557,21 @@ impl Ledger {
         match &answer {
             Ok(ConsumeAnswer::Consumed {
                 replayed: false, ..
-            }) => self.count(&biz, "consumed", Some(Stat::Consumed)),
+            }) => self.count_consume(&biz, "consumed", Some(Stat::Consumed)),
             Ok(ConsumeAnswer::Consumed { replayed: true, .. }) => {
-                self.count(&biz, "replayed", None)
+                self.count_consume(&biz, "replayed", None)
             }
             Ok(ConsumeAnswer::Duplicate { .. }) => {
                 self.writer.duplicate(record.id);
-                self.count(&biz, "duplicate", Some(Stat::Duplicate))
+                self.count_consume(&biz, "duplicate", Some(Stat::Duplicate))
             }
-            Err(LedgerError::TokenExpired) => self.count(&biz, "expired", Some(Stat::Expired)),
-            Err(LedgerError::FingerprintMismatch) => self.count(&biz, "fingerprint_mismatch", None),
-            Err(LedgerError::Unavailable { .. }) => self.count(&biz, "unavailable", None),
+            Err(LedgerError::TokenExpired) => {
+                self.count_consume(&biz, "expired", Some(Stat::Expired))
+            }
+            Err(LedgerError::FingerprintMismatch) => {
+                self.count_consume(&biz, "fingerprint_mismatch", None)
+            }
+            Err(LedgerError::Unavailable { .. }) => self.count_consume(&biz, "unavailable", None),
             Err(_) => {}
         }
         tracing::debug!(token = %token.redacted(), outcome = ?answer.as_ref().map(|_| ()), "consume");
@@ -580,14 +624,12 @@ impl Ledger {
                     return Ok(answer);
                 }
             }
+            // Another attempt is in flight. Racing copies of one request id
+            // go to Postgres, which decides which copy answers first (the
+            // others replay it); see `classify` for the rest.
             Ok(ScriptOutcome::Provisional(m)) => {
-                let prior = Prior::from_marker(&m);
-                // The same attempt racing itself: Postgres decides which copy
-                // answers first; the others replay it.
-                if !same_request(&prior, input) {
-                    if let Some(answer) = classify(&prior, input, true)? {
-                        return Ok(answer);
-                    }
+                if let Some(answer) = classify(&Prior::from_marker(&m), input, true)? {
+                    return Ok(answer);
                 }
             }
             Ok(ScriptOutcome::Claimed) => claimed = true,
@@ -656,11 +698,8 @@ impl Ledger {
                 }
             }
             Ok(ScriptOutcome::Provisional(m)) => {
-                let prior = Prior::from_marker(&m);
-                if !same_request(&prior, input) {
-                    if let Some(answer) = classify(&prior, input, true)? {
-                        return Ok(answer);
-                    }
+                if let Some(answer) = classify(&Prior::from_marker(&m), input, true)? {
+                    return Ok(answer);
                 }
             }
             // Issued but past our expiry: Postgres says whether it was consumed.
@@ -884,21 +923,7 @@ impl Ledger {
             }
             return;
         };
-        let fast = self.fast.clone();
-        let text = token.text.clone();
-        let resync = self.resync.clone();
-        tokio::spawn(async move {
-            if let Err(e) = fast.settle_consumed(&text, &marker).await {
-                tracing::debug!(error = %e, "consumed marker not written to redis; queued");
-                push_resync(
-                    &resync,
-                    Resync::Consumed {
-                        token: text,
-                        marker,
-                    },
-                );
-            }
-        });
+        self.settle_consumed_in_background(&token.text, owner, marker);
     }
 
     fn spawn_unclaim(&self, token: &VerifiedToken, owner: String) {
@@ -924,14 +949,14 @@ impl Ledger {
             let Some(item) = next else { break 0 };
             let done = match &item {
                 Resync::Consumed { token, marker } => {
-                    self.fast.settle_consumed(token, marker).await
+                    self.fast.settle_consumed(token, None, marker, true).await
                 }
                 Resync::Forget { token } => self.fast.forget(token).await,
                 Resync::FastConsumed {
                     token,
                     marker,
                     journal,
-                } => match self.fast.settle_consumed(token, marker).await {
+                } => match self.fast.settle_consumed(token, None, marker, true).await {
                     Ok(()) => self.fast.append_journal(journal).await,
                     Err(e) => Err(e),
                 },
@@ -1092,7 +1117,16 @@ impl Ledger {
         .await
         .map_err(LedgerError::postgres)?;
         match row {
-            ReleaseRow::Released { .. } => Ok(()),
+            ReleaseRow::Released { .. } => {
+                // Redis holds `issued` again, so that a consumed marker written
+                // late by a consume that raced this release is refused.
+                let fast = self.fast.clone();
+                let text = token.text.clone();
+                tokio::spawn(async move {
+                    let _ = fast.set_issued(&text, remaining).await;
+                });
+                Ok(())
+            }
             ReleaseRow::Existing(_) | ReleaseRow::Unknown => Err(LedgerError::NotReleasable),
         }
     }
@@ -1120,15 +1154,20 @@ fn classify(
     input: &ConsumeInput,
     in_flight: bool,
 ) -> Result<Option<ConsumeAnswer>, LedgerError> {
+    // A provisional marker belongs to an attempt whose outcome is not known
+    // yet (it may fail, or it may itself be a duplicate that found the token
+    // consumed in Postgres). Only a plain duplicate, with no request id or
+    // fingerprint to compare, is answered from it; anything that needs the
+    // winner's identity goes to Postgres.
+    if in_flight && (input.request_id.is_some() || input.fingerprint.is_some()) {
+        return Ok(None);
+    }
     if let (Some(a), Some(b)) = (&prior.fingerprint, &input.fingerprint) {
         if a != b.as_str() {
             return Err(LedgerError::FingerprintMismatch);
         }
     }
     if same_request(prior, input) {
-        if in_flight {
-            return Ok(None);
-        }
         return Ok(Some(ConsumeAnswer::Consumed {
             consumed_at: prior.consumed_at.unwrap_or_else(Utc::now),
             replayed: true,

@@ -12,6 +12,7 @@
 //! - [`health`]: Redis's breaker, latency window and the mode (normal, degraded, redis_down).
 //! - [`durable`]: the Postgres tier: pools, migrations, every SQL statement.
 //! - [`ledger`]: issue, consume, result, release: the only module using both tiers.
+//! - [`orders`]: the payment state machine, atomic with token consumption.
 //! - [`journal`]: fast-type decisions drained from a Redis stream into Postgres.
 //! - [`writer`]: batched Postgres writes that may lag the answer.
 //! - [`metrics`]: Prometheus metrics and fleet-wide stats counters.
@@ -32,6 +33,7 @@ pub mod journal;
 pub mod lease;
 pub mod ledger;
 pub mod metrics;
+pub mod orders;
 pub mod startup;
 pub mod telemetry;
 pub mod token;

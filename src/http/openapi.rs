@@ -3,7 +3,7 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{ops, tokens, ErrorBody};
+use super::{ops, orders, tokens, ErrorBody};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -13,16 +13,20 @@ use super::{ops, tokens, ErrorBody};
     ),
     paths(
         tokens::issue, tokens::generate, tokens::consume, tokens::result, tokens::release,
+        orders::create, orders::get, orders::pay, orders::refund, orders::close,
         ops::healthz, ops::readyz, ops::metrics, ops::openapi,
     ),
     components(schemas(
         ErrorBody, tokens::IssueRequest, tokens::IssueResponse, tokens::GenerateResponse,
         tokens::ConsumeRequest, tokens::ConsumeResponse, tokens::ResultRequest, tokens::ReleaseRequest,
         tokens::OutcomeResponse, ops::Readiness,
+        orders::CreateOrderRequest, orders::OrderBody, orders::OrderEventBody, orders::PayRequest,
+        orders::RefundRequest, orders::CloseRequest, orders::EventResponse,
     )),
     modifiers(&BearerAuth),
     tags(
         (name = "tokens", description = "Issue and consume one-time tokens"),
+        (name = "orders", description = "The payment state machine: CREATED -> PAID -> PARTIALLY_REFUNDED -> REFUNDED, CREATED -> CLOSED"),
         (name = "operations", description = "Health, readiness, metrics"),
     )
 )]

@@ -149,3 +149,79 @@ async fn consumed_tokens_stay_duplicate_across_a_restart() {
     .await;
     assert_eq!(body["outcome"], "consumed");
 }
+
+#[tokio::test]
+async fn a_lost_worker_id_lease_is_replaced_and_ids_stay_unique() {
+    let app = spawn_app_on(Stores::fresh().with("tokens.worker_lease_ttl = \"3s\"")).await;
+    let before = app.ledger.worker_id();
+    let first = app.issue(PAYMENTS, "order", "u").await;
+    // Another holder takes the worker id (as if our lease had expired).
+    let pool = app.pg().await;
+    sqlx::query("UPDATE worker_leases SET holder = '00000000-0000-0000-0000-000000000001' WHERE worker_id = $1")
+        .bind(i32::from(before))
+        .execute(&pool)
+        .await
+        .unwrap();
+    // The next renewal (every second here) notices and leases another id.
+    let after = eventually(10, || async {
+        let w = app.ledger.worker_id();
+        (w != before).then_some(w)
+    })
+    .await;
+    let token = eventually(5, || async {
+        let r = app
+            .post(
+                PAYMENTS,
+                "/v1/tokens",
+                &json!({"biz_type": "order", "subject": "u"}),
+            )
+            .await;
+        if r.status() != StatusCode::CREATED {
+            return None;
+        }
+        r.json::<serde_json::Value>().await.ok()?["token"]
+            .as_str()
+            .map(str::to_owned)
+    })
+    .await;
+    assert_eq!(worker_of(&app, &token), after);
+    assert_ne!(worker_of(&app, &first), after);
+    let holders: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM worker_leases WHERE worker_id = $1 AND expires_at > now()",
+    )
+    .bind(i32::from(after))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(holders, 1);
+}
+
+#[tokio::test]
+async fn graceful_stop_flushes_issuance_records() {
+    let stores = Stores::fresh();
+    let app = spawn_app_on(stores.clone()).await;
+    let mut tokens = Vec::new();
+    for i in 0..200 {
+        tokens.push(app.issue(PAYMENTS, "order", &format!("s{i}")).await);
+    }
+    let pool = app.pg().await;
+    app.stop().await;
+    // Every record is in Postgres once the stop returns, with its audit row.
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM tokens WHERE state = 'issued'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let audits: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM audit_events WHERE kind = 'token.issued'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((n, audits), (200, 200));
+    // And the worker id is free again.
+    let live: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM worker_leases WHERE expires_at > now()")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(live, 0);
+}

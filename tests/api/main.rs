@@ -8,5 +8,8 @@ mod faults;
 mod fleet;
 mod helpers;
 mod issue;
+mod orders;
+mod orders_model;
 mod procs;
 mod result_release;
+mod startup_checks;

@@ -219,3 +219,63 @@ async fn release_returns_the_token_for_a_retry() {
         ["token.consumed", "token.released", "token.consumed"]
     );
 }
+
+/// A release racing duplicate consumes: whatever the interleaving, the token
+/// is consumed exactly once after the release (no stale consumed marker left
+/// in Redis makes it look used, no double consume).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn release_racing_duplicates_never_leaves_a_false_duplicate() {
+    let app = std::sync::Arc::new(spawn_app().await);
+    for round in 0..30 {
+        let token = app.issue(PAYMENTS, "order", "u").await;
+        let (_, _, b) = answer(
+            app.consume(PAYMENTS, &token, &json!({"subject": "u"}))
+                .await,
+        )
+        .await;
+        assert_eq!(b["outcome"], "consumed");
+        let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(6));
+        let mut racers = Vec::new();
+        for _ in 0..5 {
+            let (app, barrier, token) = (app.clone(), barrier.clone(), token.clone());
+            racers.push(tokio::spawn(async move {
+                barrier.wait().await;
+                let (_, _, b) = answer(
+                    app.consume(PAYMENTS, &token, &json!({"subject": "u"}))
+                        .await,
+                )
+                .await;
+                b["outcome"] == "consumed"
+            }));
+        }
+        barrier.wait().await;
+        let (s, _, b) = answer(
+            app.post(
+                PAYMENTS,
+                &format!("/v1/tokens/{token}/release"),
+                &json!({"subject": "u"}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "round {round}: {b}");
+        let mut consumed_by_racers = 0;
+        for r in racers {
+            consumed_by_racers += usize::from(r.await.unwrap());
+        }
+        assert!(consumed_by_racers <= 1, "round {round}");
+        // Let background Redis writes land, then ask again.
+        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+        let (_, _, b) = answer(
+            app.consume(
+                PAYMENTS,
+                &token,
+                &json!({"subject": "u", "request_id": "final"}),
+            )
+            .await,
+        )
+        .await;
+        let final_consumed = usize::from(b["outcome"] == "consumed");
+        assert_eq!(consumed_by_racers + final_consumed, 1, "round {round}: {b}");
+    }
+}

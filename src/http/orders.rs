@@ -1,0 +1,337 @@
+//! Order routes: create, get, and the token-carrying events pay, refund and close.
+
+use actix_web::http::StatusCode;
+use actix_web::{web, HttpResponse};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use utoipa::ToSchema;
+
+use super::error::ApiError;
+use super::extract::{BodyLimit, Caller, JsonBody};
+use super::tokens::{rfc3339, REPLAYED};
+use super::AppState;
+use crate::domain::{Fingerprint, OrderId, RequestId, Subject};
+use crate::orders::{
+    Applied, CreateOrder, Created, EventInput, Order, OrderError, OrderEvent, Orders,
+    TransitionError,
+};
+
+const MAX_AMOUNT: i64 = 1_000_000_000_000_000;
+
+impl From<OrderError> for ApiError {
+    fn from(e: OrderError) -> ApiError {
+        let message = e.to_string();
+        match e {
+            OrderError::NotFound => {
+                ApiError::new(StatusCode::NOT_FOUND, "order_not_found", message)
+            }
+            OrderError::Conflict => ApiError::new(StatusCode::CONFLICT, "order_conflict", message),
+            OrderError::Transition(TransitionError::Illegal { state, .. }) => {
+                ApiError::new(StatusCode::CONFLICT, "illegal_transition", message)
+                    .with("state", json!(state.as_str()))
+            }
+            OrderError::Transition(TransitionError::RefundExceedsPaid { refundable, .. }) => {
+                ApiError::new(StatusCode::CONFLICT, "refund_exceeds_paid", message)
+                    .with("refundable_minor", json!(refundable))
+            }
+            OrderError::DurableTokenRequired => ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "durable_token_required",
+                message,
+            ),
+            OrderError::TokenAlreadyUsed => {
+                ApiError::new(StatusCode::CONFLICT, "token_already_used", message)
+            }
+            OrderError::Ledger(e) => e.into(),
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct OrderEventBody {
+    /// `order.created`, `order.paid`, `order.refunded` or `order.closed`.
+    pub kind: String,
+    /// The token the event consumed (null for `order.created`).
+    pub token: Option<String>,
+    pub amount_minor: i64,
+    pub at: String,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct OrderBody {
+    pub order_id: String,
+    pub subject: String,
+    /// `CREATED`, `PAID`, `PARTIALLY_REFUNDED`, `REFUNDED` or `CLOSED`.
+    pub state: String,
+    pub amount_minor: i64,
+    pub refunded_minor: i64,
+    pub currency: String,
+    pub created_at: String,
+    pub updated_at: String,
+    /// Oldest first, starting with `order.created`.
+    pub events: Vec<OrderEventBody>,
+}
+
+impl From<Order> for OrderBody {
+    fn from(o: Order) -> OrderBody {
+        OrderBody {
+            order_id: o.order_id,
+            subject: o.subject,
+            state: o.state.as_str().to_owned(),
+            amount_minor: o.amounts.amount_minor,
+            refunded_minor: o.amounts.refunded_minor,
+            currency: o.currency,
+            created_at: rfc3339(o.created_at),
+            updated_at: rfc3339(o.updated_at),
+            events: o
+                .events
+                .into_iter()
+                .map(|e| OrderEventBody {
+                    kind: e.kind,
+                    token: e.token,
+                    amount_minor: e.amount_minor,
+                    at: rfc3339(e.at),
+                })
+                .collect(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateOrderRequest {
+    /// 1 to 64 characters of `[A-Za-z0-9_-]`, unique across all clients.
+    #[schema(example = "ord-1001")]
+    pub order_id: String,
+    #[schema(example = "user-42")]
+    pub subject: String,
+    /// 1 to 10^15, in minor units (cents, fen).
+    #[schema(example = 1000)]
+    pub amount_minor: i64,
+    /// ISO 4217, `[A-Z]{3}`.
+    #[schema(example = "CNY")]
+    pub currency: String,
+}
+impl BodyLimit for CreateOrderRequest {}
+
+fn invalid(message: &str) -> ApiError {
+    ApiError::invalid(message)
+}
+
+fn amount(n: i64, field: &str) -> Result<i64, ApiError> {
+    if (1..=MAX_AMOUNT).contains(&n) {
+        Ok(n)
+    } else {
+        Err(invalid(&format!("`{field}` must be between 1 and 10^15")))
+    }
+}
+
+/// Create an order (idempotent: the same body again answers 200 with `Idempotent-Replayed: true`).
+#[utoipa::path(post, path = "/v1/orders", tag = "orders", request_body = CreateOrderRequest,
+    security(("api_key" = [])),
+    responses(
+        (status = 201, description = "Created", body = OrderBody),
+        (status = 200, description = "The same body again (Idempotent-Replayed: true)", body = OrderBody),
+        (status = 400, description = "invalid_request", body = super::ErrorBody),
+        (status = 409, description = "order_conflict: the id is taken with another body or by another client", body = super::ErrorBody),
+    ))]
+pub async fn create(
+    state: web::Data<AppState>,
+    Caller(caller): Caller,
+    JsonBody(body): JsonBody<CreateOrderRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let req = CreateOrder {
+        order_id: OrderId::parse(&body.order_id).map_err(|e| invalid(&e.0))?,
+        subject: Subject::parse(&body.subject).map_err(|e| invalid(&e.0))?,
+        amount_minor: amount(body.amount_minor, "amount_minor")?,
+        currency: {
+            let c = &body.currency;
+            if c.len() == 3 && c.bytes().all(|b| b.is_ascii_uppercase()) {
+                c.clone()
+            } else {
+                return Err(invalid("`currency` must be three letters A-Z (ISO 4217)"));
+            }
+        },
+    };
+    let (created, order) = Orders::new(&state.ledger).create(&caller, &req).await?;
+    Ok(match created {
+        Created::New => HttpResponse::Created().json(OrderBody::from(order)),
+        Created::Replayed => HttpResponse::Ok()
+            .insert_header((REPLAYED, "true"))
+            .json(OrderBody::from(order)),
+    })
+}
+
+/// An order with its events (other service clients: 404; admins see all).
+#[utoipa::path(get, path = "/v1/orders/{order_id}", tag = "orders",
+    params(("order_id" = String, Path)),
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "The order", body = OrderBody),
+        (status = 404, description = "order_not_found", body = super::ErrorBody),
+    ))]
+pub async fn get(
+    state: web::Data<AppState>,
+    Caller(caller): Caller,
+    order_id: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let order = Orders::new(&state.ledger).get(&caller, &order_id).await?;
+    Ok(HttpResponse::Ok().json(OrderBody::from(order)))
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PayRequest {
+    /// A token of a durable biz type, bound to the order's subject.
+    pub token: String,
+    pub fingerprint: Option<String>,
+    pub request_id: Option<String>,
+}
+impl BodyLimit for PayRequest {}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RefundRequest {
+    pub token: String,
+    /// 1 to 10^15; at most what is still refundable.
+    pub amount_minor: i64,
+    /// Up to 256 characters.
+    pub reason: Option<String>,
+    pub request_id: Option<String>,
+}
+impl BodyLimit for RefundRequest {}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CloseRequest {
+    pub token: String,
+    pub request_id: Option<String>,
+}
+impl BodyLimit for CloseRequest {}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct EventResponse {
+    /// `applied` or `duplicate`.
+    pub outcome: &'static str,
+    pub order: OrderBody,
+}
+
+fn request_id(r: Option<&str>) -> Result<Option<RequestId>, ApiError> {
+    r.map(RequestId::parse)
+        .transpose()
+        .map_err(|e| invalid(&e.0))
+}
+
+async fn apply(
+    state: &AppState,
+    caller: &crate::auth::Client,
+    order_id: &str,
+    input: EventInput,
+) -> Result<HttpResponse, ApiError> {
+    let (applied, order) = Orders::new(&state.ledger)
+        .apply(caller, order_id, &input)
+        .await?;
+    let body = |outcome| EventResponse {
+        outcome,
+        order: OrderBody::from(order),
+    };
+    Ok(match applied {
+        Applied::Applied => HttpResponse::Ok().json(body("applied")),
+        Applied::Replayed => HttpResponse::Ok()
+            .insert_header((REPLAYED, "true"))
+            .json(body("applied")),
+        Applied::Duplicate => HttpResponse::Ok()
+            .insert_header((REPLAYED, "true"))
+            .json(body("duplicate")),
+    })
+}
+
+const EVENT_ERRORS: &str = "400 invalid_request/token_invalid/token_expired, 403 token_mismatch/forbidden, 404 order_not_found, 409 illegal_transition (with `state`)/refund_exceeds_paid/token_already_used, 422 durable_token_required/unknown_biz_type/fingerprint_mismatch, 503 unavailable";
+
+/// Pay: CREATED -> PAID, consuming the token in the same transaction.
+#[utoipa::path(post, path = "/v1/orders/{order_id}/pay", tag = "orders", request_body = PayRequest,
+    params(("order_id" = String, Path)),
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "applied; or duplicate / a retry of the winning request_id (Idempotent-Replayed: true)", body = EventResponse),
+        (status = 409, description = EVENT_ERRORS, body = super::ErrorBody),
+    ))]
+pub async fn pay(
+    state: web::Data<AppState>,
+    Caller(caller): Caller,
+    order_id: web::Path<String>,
+    JsonBody(body): JsonBody<PayRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let input = EventInput {
+        event: OrderEvent::Pay,
+        fingerprint: body
+            .fingerprint
+            .as_deref()
+            .map(Fingerprint::parse)
+            .transpose()
+            .map_err(|e| invalid(&e.0))?,
+        request_id: request_id(body.request_id.as_deref())?,
+        reason: None,
+        token: body.token,
+    };
+    apply(&state, &caller, &order_id, input).await
+}
+
+/// Refund: PAID/PARTIALLY_REFUNDED -> PARTIALLY_REFUNDED/REFUNDED; never beyond the paid amount.
+#[utoipa::path(post, path = "/v1/orders/{order_id}/refund", tag = "orders", request_body = RefundRequest,
+    params(("order_id" = String, Path)),
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "applied; or duplicate (Idempotent-Replayed: true)", body = EventResponse),
+        (status = 409, description = EVENT_ERRORS, body = super::ErrorBody),
+    ))]
+pub async fn refund(
+    state: web::Data<AppState>,
+    Caller(caller): Caller,
+    order_id: web::Path<String>,
+    JsonBody(body): JsonBody<RefundRequest>,
+) -> Result<HttpResponse, ApiError> {
+    if body
+        .reason
+        .as_ref()
+        .is_some_and(|r| r.chars().count() > 256 || r.chars().any(char::is_control))
+    {
+        return Err(invalid(
+            "`reason` must be at most 256 characters without control characters",
+        ));
+    }
+    let input = EventInput {
+        event: OrderEvent::Refund {
+            amount_minor: amount(body.amount_minor, "amount_minor")?,
+        },
+        fingerprint: None,
+        request_id: request_id(body.request_id.as_deref())?,
+        reason: body.reason,
+        token: body.token,
+    };
+    apply(&state, &caller, &order_id, input).await
+}
+
+/// Close: CREATED -> CLOSED.
+#[utoipa::path(post, path = "/v1/orders/{order_id}/close", tag = "orders", request_body = CloseRequest,
+    params(("order_id" = String, Path)),
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "applied; or duplicate (Idempotent-Replayed: true)", body = EventResponse),
+        (status = 409, description = EVENT_ERRORS, body = super::ErrorBody),
+    ))]
+pub async fn close(
+    state: web::Data<AppState>,
+    Caller(caller): Caller,
+    order_id: web::Path<String>,
+    JsonBody(body): JsonBody<CloseRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let input = EventInput {
+        event: OrderEvent::Close,
+        fingerprint: None,
+        request_id: request_id(body.request_id.as_deref())?,
+        reason: None,
+        token: body.token,
+    };
+    apply(&state, &caller, &order_id, input).await
+}
