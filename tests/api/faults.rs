@@ -538,7 +538,13 @@ biz.like.ttl = "60s"
     pg.stop_immediate();
     // Copies racing the one that claimed the token in Redis hear that it is
     // being processed; the claimer, and every later attempt, gets 503.
+    let refusing = std::time::Instant::now();
     let (consumed, answers) = storm(&app, fresh, 3, "down").await;
+    eprintln!(
+        "postgres down: {} concurrent durable consumes answered in {:?}",
+        answers.len(),
+        refusing.elapsed()
+    );
     assert!(consumed.iter().all(|&n| n == 0), "{consumed:?}");
     let mut refused = vec![0; fresh.len()];
     for (i, s, body) in &answers {
