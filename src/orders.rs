@@ -324,10 +324,20 @@ impl<'a> Orders<'a> {
             amount_minor: req.amount_minor,
             currency: &req.currency,
         };
-        let inserted = timed(metrics, "order_create", sql::create(pool, &new)).await?;
-        let (row, events) = timed(metrics, "order_get", sql::get(pool, req.order_id.as_str()))
-            .await?
-            .ok_or(OrderError::NotFound)?;
+        let pools = self.ledger.pools();
+        let inserted = timed(
+            metrics,
+            "order_create",
+            pools.bounded(sql::create(pool, &new)),
+        )
+        .await?;
+        let (row, events) = timed(
+            metrics,
+            "order_get",
+            pools.bounded(sql::get(pool, req.order_id.as_str())),
+        )
+        .await?
+        .ok_or(OrderError::NotFound)?;
         if inserted {
             return Ok((Created::New, order_of(row, events)));
         }
@@ -346,7 +356,9 @@ impl<'a> Orders<'a> {
         let (row, events) = timed(
             self.ledger.metrics(),
             "order_get",
-            sql::get(&self.ledger.pools().hot, order_id),
+            self.ledger
+                .pools()
+                .bounded(sql::get(&self.ledger.pools().hot, order_id)),
         )
         .await?
         .ok_or(OrderError::NotFound)?;
@@ -360,8 +372,25 @@ impl<'a> Orders<'a> {
     /// with [`transition`], then one statement consumes the token, changes the
     /// order and writes the event and audit rows. Refusals roll back, leaving
     /// the token unconsumed.
+    ///
+    /// Bounded in time like every payment-path call: a Postgres that stopped
+    /// answering costs at most a few statement deadlines and answers 503;
+    /// dropping the transaction rolls it back.
     #[tracing::instrument(skip_all, fields(client = %caller.name, event = input.event.kind()))]
     pub async fn apply(
+        &self,
+        caller: &Client,
+        order_id: &str,
+        input: &EventInput,
+    ) -> Result<(Applied, Order), OrderError> {
+        let deadline = self.ledger.pools().deadline * 2;
+        match tokio::time::timeout(deadline, self.apply_unbounded(caller, order_id, input)).await {
+            Ok(out) => out,
+            Err(_) => Err(DurableError::TimedOut(deadline).into()),
+        }
+    }
+
+    async fn apply_unbounded(
         &self,
         caller: &Client,
         order_id: &str,
