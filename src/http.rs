@@ -1,7 +1,8 @@
-//! The HTTP surface of API.md: routes ([`tokens`], [`ops`]), extractors
+//! The HTTP surface of API.md: routes ([`tokens`], [`admin`], [`ops`]), extractors
 //! ([`extract`]), the error body ([`error`]) and the generated OpenAPI
 //! description ([`openapi`]). Handlers receive the ledger, never a pool.
 
+pub mod admin;
 pub mod error;
 pub mod extract;
 pub mod openapi;
@@ -64,6 +65,10 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .service(resource("/v1/tokens/{token}/consume").route(web::post().to(tokens::consume)))
         .service(resource("/v1/tokens/{token}/result").route(web::post().to(tokens::result)))
         .service(resource("/v1/tokens/{token}/release").route(web::post().to(tokens::release)))
+        .service(resource("/v1/admin/tokens/{token}").route(web::get().to(admin::token)))
+        .service(resource("/v1/admin/audit").route(web::get().to(admin::audit)))
+        .service(resource("/v1/admin/stats").route(web::get().to(admin::stats)))
+        .service(resource("/v1/admin/reconcile").route(web::post().to(admin::run_reconcile)))
         .default_service(web::to(not_found));
 }
 

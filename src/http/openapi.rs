@@ -3,7 +3,7 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{ops, tokens, ErrorBody};
+use super::{admin, ops, tokens, ErrorBody};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -14,16 +14,22 @@ use super::{ops, tokens, ErrorBody};
     paths(
         tokens::issue, tokens::generate, tokens::consume, tokens::result, tokens::release,
         ops::healthz, ops::readyz, ops::metrics, ops::openapi,
+        admin::token, admin::audit, admin::stats, admin::run_reconcile,
     ),
     components(schemas(
         ErrorBody, tokens::IssueRequest, tokens::IssueResponse, tokens::GenerateResponse,
         tokens::ConsumeRequest, tokens::ConsumeResponse, tokens::ResultRequest, tokens::ReleaseRequest,
         tokens::OutcomeResponse, ops::Readiness,
+        crate::admin::TokenView, crate::admin::AuditEvent, crate::admin::AuditPage,
+        crate::admin::Stats, crate::admin::BizStats, admin::ReconcileRequest,
+        crate::reconcile::Report, crate::reconcile::Classes, crate::reconcile::Scanned,
+        crate::reconcile::InconsistentOrder,
     )),
     modifiers(&BearerAuth),
     tags(
         (name = "tokens", description = "Issue and consume one-time tokens"),
         (name = "operations", description = "Health, readiness, metrics"),
+        (name = "admin", description = "Audit, stats and reconciliation (role admin; reconcile: admin or reconciler)"),
     )
 )]
 pub struct ApiDoc;

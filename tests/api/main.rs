@@ -1,10 +1,12 @@
 //! The integration suite: real Postgres and Redis, one fresh database and
 //! Redis key prefix per test (see `helpers`).
 
+mod admin;
 mod bad_input;
 mod concurrency;
 mod consume;
 mod fleet;
 mod helpers;
 mod issue;
+mod reconcile;
 mod result_release;
