@@ -127,8 +127,7 @@ pub struct TokenView {
 pub async fn token(pool: &PgPool, codec: &TokenCodec, text: &str) -> Result<TokenView, AdminError> {
     let verified = codec.verify(text).map_err(|_| AdminError::TokenInvalid)?;
     let id = verified.claims.id.as_i64();
-    let row = sql::token(pool, id).await?;
-    let events = sql::token_events(pool, id, TOKEN_EVENTS_LIMIT).await?;
+    let (row, events) = sql::token_story(pool, id, TOKEN_EVENTS_LIMIT).await?;
     let ms = |m: i64| Utc.timestamp_millis_opt(m).single().map(time);
     let Some(row) = row else {
         // Purged after retention: the audit trail still tells its story.

@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use futures_util::stream::{self, StreamExt};
 use serde::Serialize;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
@@ -44,6 +45,8 @@ pub use crate::durable::reconcile::LOCK_KEY;
 
 /// Tokens this close to expiry are left alone by the re-seed.
 const RESEED_MARGIN_MS: i64 = 2_000;
+/// Re-seed scripts in flight at once.
+const RESEED_IN_FLIGHT: usize = 32;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
@@ -486,7 +489,7 @@ impl Run<'_> {
             .since
             .map(|t| SnowflakeId::from_parts(t.timestamp_millis(), 0, 0).as_i64())
             .unwrap_or(0);
-        let mut after = 0i64;
+        let mut after = None;
         loop {
             if self.cancel.is_cancelled() {
                 return Ok(());
@@ -502,7 +505,7 @@ impl Run<'_> {
             let Some(last) = page.last() else {
                 return Ok(());
             };
-            after = last.id;
+            after = Some((last.expires_at, last.id));
             self.scanned.tokens += page.len() as u64;
             let texts: Vec<String> = page.iter().map(|t| t.token.clone()).collect();
             let (_, states) = self.r.fast.key_states(&texts).await?;
@@ -514,10 +517,27 @@ impl Run<'_> {
                 .collect();
             self.found.redis_missing_but_live += missing.len() as u64;
             if !self.opts.dry_run && !missing.is_empty() {
+                // One script per key, a few in flight at once (a Redis that
+                // lost everything needs every live token back).
+                let fast = self.r.fast.clone();
+                let outcomes: Vec<Result<(bool, &sql::LiveToken), FastError>> =
+                    stream::iter(missing.iter().copied())
+                        .map(|t| {
+                            let fast = fast.clone();
+                            async move {
+                                fast.reseed(&t.token, t.remaining_ms)
+                                    .await
+                                    .map(|ok| (ok, t))
+                            }
+                        })
+                        .buffer_unordered(RESEED_IN_FLIGHT)
+                        .collect()
+                        .await;
                 let mut seeded = Vec::new();
-                for t in &missing {
-                    if self.r.fast.reseed(&t.token, t.remaining_ms).await? {
-                        seeded.push(*t);
+                for o in outcomes {
+                    let (ok, t) = o?;
+                    if ok {
+                        seeded.push(t);
                     }
                 }
                 // A consume may have won in Postgres between our read and the
@@ -659,8 +679,8 @@ impl Report {
     /// The report for humans (`--format text`).
     pub fn to_text(&self) -> String {
         let mut out = format!(
-            "reconcile {} from {} to {}\nscanned: {} token records, {} orders\n\n{:<26} {:>10} {:>10}\n",
-            if self.dry_run { "(dry run)" } else { "" },
+            "reconcile{} from {} to {}\nscanned: {} token records, {} orders\n\n{:<26} {:>10} {:>10}\n",
+            if self.dry_run { " (dry run)" } else { "" },
             self.started_at,
             self.finished_at,
             self.scanned.tokens,

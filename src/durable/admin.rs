@@ -5,7 +5,7 @@
 use chrono::{DateTime, Utc};
 use serde_json::Value as Json;
 use sqlx::postgres::PgRow;
-use sqlx::{PgPool, Postgres, QueryBuilder, Row};
+use sqlx::{PgConnection, PgPool, Postgres, QueryBuilder, Row};
 
 use super::tokens::TokenState;
 use super::DurableError;
@@ -60,8 +60,25 @@ fn event(row: &PgRow) -> Result<EventRow, sqlx::Error> {
     })
 }
 
-/// The token's row, if Postgres has one.
-pub async fn token(pool: &PgPool, id: i64) -> Result<Option<TokenRow>, DurableError> {
+/// The token's row (if Postgres has one) and its audit events (oldest first,
+/// at most `limit`), read in one snapshot: a record written between two
+/// separate reads cannot show up as events without their row.
+pub async fn token_story(
+    pool: &PgPool,
+    id: i64,
+    limit: i64,
+) -> Result<(Option<TokenRow>, Vec<EventRow>), DurableError> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *tx)
+        .await?;
+    let row = token(&mut tx, id).await?;
+    let events = token_events(&mut tx, id, limit).await?;
+    tx.commit().await?;
+    Ok((row, events))
+}
+
+async fn token(conn: &mut PgConnection, id: i64) -> Result<Option<TokenRow>, DurableError> {
     let row = sqlx::query(
         "SELECT token, biz_type, subject, client, state, expires_at <= now() AS expired,
                 issued_at, expires_at, consumed_at, fingerprint, request_id, result,
@@ -69,7 +86,7 @@ pub async fn token(pool: &PgPool, id: i64) -> Result<Option<TokenRow>, DurableEr
            FROM tokens WHERE id = $1",
     )
     .bind(id)
-    .fetch_optional(pool)
+    .fetch_optional(conn)
     .await?;
     let Some(r) = row else { return Ok(None) };
     Ok(Some(TokenRow {
@@ -89,9 +106,8 @@ pub async fn token(pool: &PgPool, id: i64) -> Result<Option<TokenRow>, DurableEr
     }))
 }
 
-/// A token's audit events, oldest first (at most `limit`).
-pub async fn token_events(
-    pool: &PgPool,
+async fn token_events(
+    conn: &mut PgConnection,
     id: i64,
     limit: i64,
 ) -> Result<Vec<EventRow>, DurableError> {
@@ -100,7 +116,7 @@ pub async fn token_events(
     ))
     .bind(id)
     .bind(limit)
-    .fetch_all(pool)
+    .fetch_all(conn)
     .await?;
     Ok(rows.iter().map(event).collect::<Result<_, _>>()?)
 }

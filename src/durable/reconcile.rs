@@ -93,29 +93,36 @@ pub struct LiveToken {
     pub subject: String,
     pub biz_type: String,
     pub client: String,
+    pub expires_at: DateTime<Utc>,
     pub remaining_ms: i64,
 }
 
-/// One keyset page of live issued tokens with `id > after` (and `id >=
-/// min_id`), at least `margin_ms` from expiry.
+/// Where a page of live tokens starts: after this `(expires_at, id)`.
+pub type LiveCursor = (DateTime<Utc>, i64);
+
+/// One keyset page of live issued tokens, ordered by `(expires_at, id)`
+/// (index `tokens_issued_expiry_idx`), after `after`, with `id >= min_id`,
+/// at least `margin_ms` from expiry.
 pub async fn live_issued_page(
     pool: &PgPool,
-    after: i64,
+    after: Option<LiveCursor>,
     min_id: i64,
     margin_ms: i64,
     limit: i64,
 ) -> Result<Vec<LiveToken>, DurableError> {
+    let (after_exp, after_id) = after.unwrap_or((DateTime::<Utc>::UNIX_EPOCH, 0));
     let rows = sqlx::query(
-        "SELECT id, token, subject, biz_type, client,
+        "SELECT id, token, subject, biz_type, client, expires_at,
                 (extract(epoch FROM expires_at - now()) * 1000)::bigint AS remaining_ms
            FROM tokens
-          WHERE id > $1 AND id >= $2 AND state = 'issued'
-            AND expires_at > now() + make_interval(secs => $3)
-          ORDER BY id LIMIT $4",
+          WHERE state = 'issued' AND expires_at > now() + make_interval(secs => $3)
+            AND (expires_at, id) > ($1, $2) AND id >= $4
+          ORDER BY expires_at, id LIMIT $5",
     )
-    .bind(after)
-    .bind(min_id)
+    .bind(after_exp)
+    .bind(after_id)
     .bind(margin_ms as f64 / 1000.0)
+    .bind(min_id)
     .bind(limit)
     .fetch_all(pool)
     .await?;
@@ -127,6 +134,7 @@ pub async fn live_issued_page(
                 subject: r.try_get("subject")?,
                 biz_type: r.try_get("biz_type")?,
                 client: r.try_get("client")?,
+                expires_at: r.try_get("expires_at")?,
                 remaining_ms: r.try_get("remaining_ms")?,
             })
         })

@@ -103,7 +103,7 @@ async fn token_story_with_events_and_duplicate_attempts() {
         (s == StatusCode::OK).then_some(v)
     })
     .await;
-    assert_eq!(v["state"], "issued");
+    assert_eq!(v["state"], "issued", "{v}");
     assert!(v["consumed_at"].is_null() && v["result"].is_null());
     let old_exp = (chrono::Utc::now().timestamp() - 60) as u32;
     let old = app.sign("order", 77_000_001, old_exp, "payments", "user-9");
