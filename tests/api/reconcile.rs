@@ -649,3 +649,78 @@ async fn cli_usage_errors_exit_2() {
     assert_eq!(exit_code(&out), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--config"));
 }
+
+/// Cancels the run once `phase` has done `after` items (a Ctrl-C mid-phase).
+struct CancelIn {
+    phase: &'static str,
+    after: u64,
+    cancel: CancellationToken,
+    state: std::sync::Mutex<(&'static str, u64)>,
+}
+
+impl Progress for CancelIn {
+    fn phase(&self, name: &'static str, _: Option<u64>) {
+        *self.state.lock().expect("lock") = (name, 0);
+    }
+    fn advance(&self, n: u64) {
+        let mut s = self.state.lock().expect("lock");
+        s.1 += n;
+        if s.0 == self.phase && s.1 >= self.after {
+            self.cancel.cancel();
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_interrupted_run_stops_between_batches_and_a_rerun_finishes() {
+    let stores = Stores::fresh().with("reconcile.batch_size = 2");
+    let app = spawn_app_on(stores.clone()).await;
+    let pg = app.pg().await;
+    let mut r = redis_conn().await;
+    let mut keys = Vec::new();
+    for i in 0..6 {
+        let t = app.issue(PAYMENTS, "order", &format!("int-{i}")).await;
+        token_id(&pg, &t).await;
+        keys.push(app.token_key(&t));
+    }
+    for k in &keys {
+        let _: () = r.del(k).await.expect("del");
+    }
+
+    let (rec, pools) = reconciler(&stores);
+    let cancel = CancellationToken::new();
+    let progress = CancelIn {
+        phase: "live tokens",
+        after: 1,
+        cancel: cancel.clone(),
+        state: std::sync::Mutex::new(("", 0)),
+    };
+    let first = rec
+        .run(&Options::default(), &progress, &cancel)
+        .await
+        .expect("runs");
+    assert!(first.interrupted, "{first:#?}");
+    assert_eq!(
+        first.repaired.redis_missing_but_live, 2,
+        "one batch, then stop"
+    );
+    assert_eq!(first.found.expired_purgeable, 0, "later phases did not run");
+
+    // The lock went with the interrupted run; the rerun does the rest.
+    let second = rec
+        .run(&Options::default(), &Quiet, &CancellationToken::new())
+        .await
+        .expect("runs");
+    assert!(!second.interrupted);
+    assert_eq!(second.repaired.redis_missing_but_live, 4, "{second:#?}");
+    let third = rec
+        .run(&Options::default(), &Quiet, &CancellationToken::new())
+        .await
+        .expect("runs");
+    assert_eq!(third.found, Classes::default());
+    for k in &keys {
+        assert_eq!(state_of(&mut r, k).await.as_deref(), Some("i"));
+    }
+    pools.close().await;
+    app.stop().await;
+}
