@@ -1,5 +1,8 @@
-//! The command line: `serve`, `migrate` (and, as they land, `reconcile` and
-//! `audit`). `--config FILE` is global. Usage and configuration errors exit 2.
+//! The command line: `serve`, `migrate`, `reconcile` and `audit` (the last
+//! two in [`admin`]). `--config FILE` is global. Usage and configuration
+//! errors exit 2.
+
+pub mod admin;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -35,9 +38,19 @@ pub enum Command {
     },
     /// Create the database if missing, apply pending migrations, exit.
     Migrate,
+    /// Find and repair divergence between Redis and Postgres; print the report.
+    /// Exit 0 when it finished (even with repairs), 3 when another run holds
+    /// the lock, 1 when it could not run.
+    Reconcile(admin::ReconcileArgs),
+    /// What happened to a token, a user or an order.
+    Audit {
+        #[command(subcommand)]
+        what: admin::AuditCommand,
+    },
 }
 
-/// Exit codes: 0 done, 1 failed at run time, 2 usage or configuration.
+/// Exit codes: 0 done, 1 failed at run time (or `audit token`: not found),
+/// 2 usage or configuration, 3 `reconcile`: another run holds the lock.
 pub fn run(cli: Cli) -> ExitCode {
     let settings = match Settings::load(cli.config.as_deref()) {
         Ok(s) => s,
@@ -57,7 +70,7 @@ pub fn run(cli: Cli) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let outcome = runtime.block_on(async move {
+    let outcome: anyhow::Result<ExitCode> = runtime.block_on(async move {
         match cli.command {
             Command::Serve { no_migrate } => {
                 let app = Application::build(
@@ -67,18 +80,21 @@ pub fn run(cli: Cli) -> ExitCode {
                     },
                 )
                 .await?;
-                app.run_until_stopped().await
+                app.run_until_stopped().await?;
+                Ok(ExitCode::SUCCESS)
             }
             Command::Migrate => {
                 setup::create_database_if_missing(&settings.postgres.url).await?;
                 let n = setup::migrate(&settings.postgres.url).await?;
                 println!("applied {n} migration(s)");
-                Ok(())
+                Ok(ExitCode::SUCCESS)
             }
+            Command::Reconcile(args) => Ok(admin::reconcile(&settings, args).await),
+            Command::Audit { what } => Ok(admin::audit(&settings, what).await),
         }
     });
     match outcome {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             tracing::error!(error = ?e, "failed");
             eprintln!("idempotency-ledger: {e:#}");

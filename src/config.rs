@@ -81,6 +81,8 @@ struct Raw {
     clients: Vec<RawClient>,
     #[serde(default)]
     biz: BTreeMap<String, RawBiz>,
+    #[serde(default)]
+    reconcile: RawReconcile,
 }
 
 #[derive(Debug, Deserialize)]
@@ -154,6 +156,18 @@ struct RawClient {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
+struct RawReconcile {
+    batch_size: usize,
+}
+
+impl Default for RawReconcile {
+    fn default() -> Self {
+        RawReconcile { batch_size: 500 }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawBiz {
     ttl: String,
     durability: Durability,
@@ -172,6 +186,7 @@ pub struct Settings {
     pub tokens: TokenSettings,
     pub clients: Vec<Client>,
     pub biz: BTreeMap<BizType, BizSettings>,
+    pub reconcile: ReconcileSettings,
 }
 
 #[derive(Debug, Clone)]
@@ -240,6 +255,12 @@ pub struct TokenSettings {
     pub provisional_ttl: Duration,
     pub worker_lease_ttl: Duration,
     pub issue_buffer: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct ReconcileSettings {
+    /// Keys or rows per batch (one pipeline, one statement).
+    pub batch_size: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -607,6 +628,12 @@ impl Raw {
             });
         }
 
+        if !(1..=10_000).contains(&self.reconcile.batch_size) {
+            return Err(invalid(
+                "reconcile.batch_size",
+                "must be between 1 and 10000",
+            ));
+        }
         let settings = Settings {
             env: self.env,
             server,
@@ -615,6 +642,9 @@ impl Raw {
             tokens,
             clients,
             biz,
+            reconcile: ReconcileSettings {
+                batch_size: self.reconcile.batch_size,
+            },
         };
         if settings.env == Environment::Production {
             let dev = settings.development_secrets_in_use();

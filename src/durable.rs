@@ -1,10 +1,13 @@
 //! The durable tier: Postgres. Owns the pools and every SQL statement
 //! ([`tokens`] for the token ledger, [`lease`] for snowflake worker ids,
-//! [`setup`] for database creation, migrations and start-up checks).
+//! [`setup`] for database creation, migrations and start-up checks,
+//! [`admin`] for audit queries and stats, [`reconcile`] for reconciliation).
 //! Every hot statement touches one token or one order key.
 
+pub mod admin;
 pub mod lease;
 pub mod orders;
+pub mod reconcile;
 pub mod setup;
 pub mod tokens;
 

@@ -122,6 +122,7 @@ struct Scripts {
     settle: Script,
     fast_write: Script,
     issue: Script,
+    reconcile: Script,
 }
 
 pub struct FastTier {
@@ -195,6 +196,7 @@ impl FastTier {
                 settle: Script::new(include_str!("lua/settle.lua")),
                 fast_write: Script::new(include_str!("lua/fast_write.lua")),
                 issue: Script::new(include_str!("lua/issue.lua")),
+                reconcile: Script::new(include_str!("lua/reconcile.lua")),
             },
             metrics,
             cluster,
@@ -659,6 +661,241 @@ impl FastTier {
         Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
     {
         self.call(op, |c| f(RawConn(c))).await
+    }
+}
+
+/// What reconciliation reads of one token's key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyState {
+    Missing,
+    Issued,
+    /// A provisional marker; `deadline_ms` in Redis's clock.
+    Provisional {
+        deadline_ms: i64,
+    },
+    Consumed,
+    /// Anything else (a hash without a known state).
+    Unknown,
+}
+
+/// The `s` and `d` fields of one token's hash.
+type StateFields = (Option<String>, Option<String>);
+
+/// One node a key scan walks: the standalone server, or one cluster primary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScanNode(Option<(String, u16)>);
+
+/// Escapes glob characters so a key prefix matches only itself in `SCAN MATCH`.
+fn glob_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Reconciliation's view of the tier: key scans, batch reads, and repairs that
+/// each touch one token's key (see `reconcile.lua`).
+impl FastTier {
+    /// The nodes a full key scan must walk.
+    pub async fn scan_nodes(&self) -> Result<Vec<ScanNode>, FastError> {
+        if !self.cluster {
+            return Ok(vec![ScanNode(None)]);
+        }
+        // CLUSTER SLOTS: [[start, end, [host, port, id], replicas...], ...]
+        let slots: Vec<Value> = self
+            .call("cluster_slots", |mut c| async move {
+                redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut c).await
+            })
+            .await?;
+        let mut nodes: Vec<ScanNode> = Vec::new();
+        for range in slots {
+            let Value::Array(parts) = range else { continue };
+            let Some(Value::Array(primary)) = parts.get(2) else {
+                continue;
+            };
+            let host: Option<String> = primary
+                .first()
+                .and_then(|v| redis::from_redis_value_ref(v).ok());
+            let port: Option<u16> = primary
+                .get(1)
+                .and_then(|v| redis::from_redis_value_ref(v).ok());
+            if let (Some(h), Some(p)) = (host, port) {
+                let node = ScanNode(Some((h, p)));
+                if !nodes.contains(&node) {
+                    nodes.push(node);
+                }
+            }
+        }
+        if nodes.is_empty() {
+            return Err(FastError::Protocol("CLUSTER SLOTS named no primary".into()));
+        }
+        Ok(nodes)
+    }
+
+    /// One `SCAN` page of `<prefix>tok:*` on `node`: the next cursor (0 at the
+    /// end) and the token texts of the keys found (a key may repeat across pages).
+    pub async fn scan_tokens(
+        &self,
+        node: &ScanNode,
+        cursor: u64,
+        count: usize,
+    ) -> Result<(u64, Vec<String>), FastError> {
+        let prefix = format!("{}tok:{{", self.settings.key_prefix);
+        let pattern = format!("{}*", glob_escape(&prefix));
+        let mut cmd = redis::cmd("SCAN");
+        cmd.arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(count);
+        let target = node.0.clone();
+        let (next, keys): (u64, Vec<String>) = self
+            .call("scan", |mut c| async move {
+                match (&mut c, target) {
+                    (Conn::Cluster(cc), Some((host, port))) => {
+                        use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+                        let v = cc
+                            .route_command(
+                                cmd,
+                                RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                                    host,
+                                    port,
+                                }),
+                            )
+                            .await?;
+                        redis::from_redis_value(v).map_err(Into::into)
+                    }
+                    _ => cmd.query_async(&mut c).await,
+                }
+            })
+            .await?;
+        let tokens = keys
+            .into_iter()
+            .filter_map(|k| {
+                k.strip_prefix(&prefix)
+                    .and_then(|t| t.strip_suffix('}'))
+                    .map(str::to_owned)
+            })
+            .collect();
+        Ok((next, tokens))
+    }
+
+    /// Reads the state of many tokens' keys in one pipeline (one `HMGET` per
+    /// key), with Redis's clock in ms for judging provisional deadlines.
+    pub async fn key_states(&self, tokens: &[String]) -> Result<(i64, Vec<KeyState>), FastError> {
+        let keys: Vec<String> = tokens.iter().map(|t| self.token_key(t)).collect();
+        let (time, rows): ((i64, i64), Vec<StateFields>) = self
+            .call("key_states", |mut c| async move {
+                let mut p = redis::pipe();
+                p.cmd("TIME");
+                for k in &keys {
+                    p.cmd("HMGET").arg(k).arg("s").arg("d");
+                }
+                let mut values: Vec<Value> = p.query_async(&mut c).await?;
+                let time_value = if values.is_empty() {
+                    Value::Nil
+                } else {
+                    values.remove(0)
+                };
+                let time: (i64, i64) = redis::from_redis_value(time_value)?;
+                let rows = values
+                    .into_iter()
+                    .map(redis::from_redis_value)
+                    .collect::<Result<Vec<_>, _>>()?;
+                Ok((time, rows))
+            })
+            .await?;
+        let now_ms = time.0 * 1000 + time.1 / 1000;
+        let states = rows
+            .into_iter()
+            .map(|(s, d)| match s.as_deref() {
+                None => KeyState::Missing,
+                Some("i") => KeyState::Issued,
+                Some("c") => KeyState::Consumed,
+                Some("p") => KeyState::Provisional {
+                    deadline_ms: d.and_then(|d| d.parse().ok()).unwrap_or(0),
+                },
+                Some(_) => KeyState::Unknown,
+            })
+            .collect();
+        Ok((now_ms, states))
+    }
+
+    /// Seeds a live token whose key is missing; `false` when a key exists
+    /// (never overwrites: a consume may have claimed it meanwhile).
+    pub async fn reseed(&self, token: &str, ttl_ms: i64) -> Result<bool, FastError> {
+        let key = self.token_key(token);
+        let script = &self.scripts.issue;
+        self.call("reseed", |mut c| async move {
+            script
+                .key(key)
+                .arg(ttl_ms.max(1))
+                .invoke_async::<i64>(&mut c)
+                .await
+                .map(|n| n == 1)
+        })
+        .await
+    }
+
+    /// Deletes a token's key if it still says issued (Postgres consumed it).
+    pub async fn drop_if_issued(&self, token: &str) -> Result<bool, FastError> {
+        self.repair(token, "drop_live", 0, None).await
+    }
+
+    /// Clears a provisional marker past its deadline: back to issued with
+    /// `remaining_ms` to live, or to `consumed` when Postgres consumed it.
+    pub async fn clear_stale(
+        &self,
+        token: &str,
+        remaining_ms: i64,
+        consumed: Option<&Marker>,
+    ) -> Result<bool, FastError> {
+        self.repair(token, "clear_stale", remaining_ms, consumed)
+            .await
+    }
+
+    async fn repair(
+        &self,
+        token: &str,
+        op: &'static str,
+        remaining_ms: i64,
+        consumed: Option<&Marker>,
+    ) -> Result<bool, FastError> {
+        let key = self.token_key(token);
+        let script = &self.scripts.reconcile;
+        let m = consumed.cloned().unwrap_or_default();
+        let is_consumed = consumed.is_some();
+        let consumed_ttl = self.consumed_ttl_ms();
+        self.call("reconcile", |mut c| async move {
+            script
+                .key(key)
+                .arg(op)
+                .arg(remaining_ms)
+                .arg(if is_consumed { "1" } else { "0" })
+                .arg(m.at_ms)
+                .arg(m.request_id.as_deref().unwrap_or(""))
+                .arg(m.fingerprint.as_deref().unwrap_or(""))
+                .arg(m.result.as_deref().unwrap_or(""))
+                .arg(consumed_ttl)
+                .invoke_async::<i64>(&mut c)
+                .await
+                .map(|n| n == 1)
+        })
+        .await
+    }
+
+    /// Entries in the journal stream (not yet drained into Postgres, or
+    /// drained but not yet deleted).
+    pub async fn journal_len(&self) -> Result<u64, FastError> {
+        let key = self.journal_key();
+        self.call("xlen", |mut c| async move {
+            redis::cmd("XLEN").arg(key).query_async::<u64>(&mut c).await
+        })
+        .await
     }
 }
 

@@ -1,7 +1,8 @@
-//! The HTTP surface of API.md: routes ([`tokens`], [`orders`], [`ops`]), extractors
+//! The HTTP surface of API.md: routes ([`tokens`], [`orders`], [`admin`], [`ops`]), extractors
 //! ([`extract`]), the error body ([`error`]) and the generated OpenAPI
 //! description ([`openapi`]). Handlers receive the ledger, never a pool.
 
+pub mod admin;
 pub mod error;
 pub mod extract;
 pub mod openapi;
@@ -70,6 +71,10 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .service(resource("/v1/orders/{order_id}/pay").route(web::post().to(orders::pay)))
         .service(resource("/v1/orders/{order_id}/refund").route(web::post().to(orders::refund)))
         .service(resource("/v1/orders/{order_id}/close").route(web::post().to(orders::close)))
+        .service(resource("/v1/admin/tokens/{token}").route(web::get().to(admin::token)))
+        .service(resource("/v1/admin/audit").route(web::get().to(admin::audit)))
+        .service(resource("/v1/admin/stats").route(web::get().to(admin::stats)))
+        .service(resource("/v1/admin/reconcile").route(web::post().to(admin::run_reconcile)))
         .default_service(web::to(not_found));
 }
 

@@ -16,11 +16,14 @@
 //! - [`journal`]: fast-type decisions drained from a Redis stream into Postgres.
 //! - [`writer`]: batched Postgres writes that may lag the answer.
 //! - [`metrics`]: Prometheus metrics and fleet-wide stats counters.
+//! - [`admin`]: audit queries (one token, event pages, stats) for HTTP and CLI.
+//! - [`reconcile`]: compares the tiers and repairs divergence, one run at a time.
 //! - [`http`]: routes, extractors, errors, OpenAPI.
 //! - [`startup`]: building and running the service.
 //! - [`cli`]: the command line.
 //! - [`telemetry`]: structured logs.
 
+pub mod admin;
 pub mod auth;
 pub mod cli;
 pub mod config;
@@ -34,6 +37,7 @@ pub mod lease;
 pub mod ledger;
 pub mod metrics;
 pub mod orders;
+pub mod reconcile;
 pub mod startup;
 pub mod telemetry;
 pub mod token;

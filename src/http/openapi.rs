@@ -3,7 +3,7 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{ops, orders, tokens, ErrorBody};
+use super::{admin, ops, orders, tokens, ErrorBody};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -15,6 +15,7 @@ use super::{ops, orders, tokens, ErrorBody};
         tokens::issue, tokens::generate, tokens::consume, tokens::result, tokens::release,
         orders::create, orders::get, orders::pay, orders::refund, orders::close,
         ops::healthz, ops::readyz, ops::metrics, ops::openapi,
+        admin::token, admin::audit, admin::stats, admin::run_reconcile,
     ),
     components(schemas(
         ErrorBody, tokens::IssueRequest, tokens::IssueResponse, tokens::GenerateResponse,
@@ -22,12 +23,17 @@ use super::{ops, orders, tokens, ErrorBody};
         tokens::OutcomeResponse, ops::Readiness,
         orders::CreateOrderRequest, orders::OrderBody, orders::OrderEventBody, orders::PayRequest,
         orders::RefundRequest, orders::CloseRequest, orders::EventResponse,
+        crate::admin::TokenView, crate::admin::AuditEvent, crate::admin::AuditPage,
+        crate::admin::Stats, crate::admin::BizStats, admin::ReconcileRequest,
+        crate::reconcile::Report, crate::reconcile::Classes, crate::reconcile::Scanned,
+        crate::reconcile::InconsistentOrder,
     )),
     modifiers(&BearerAuth),
     tags(
         (name = "tokens", description = "Issue and consume one-time tokens"),
         (name = "orders", description = "The payment state machine: CREATED -> PAID -> PARTIALLY_REFUNDED -> REFUNDED, CREATED -> CLOSED"),
         (name = "operations", description = "Health, readiness, metrics"),
+        (name = "admin", description = "Audit, stats and reconciliation (role admin; reconcile: admin or reconciler)"),
     )
 )]
 pub struct ApiDoc;

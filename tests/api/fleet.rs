@@ -102,14 +102,9 @@ async fn consumed_tokens_stay_duplicate_across_a_restart() {
     // Redis restarts empty too, for good measure.
     let app = spawn_app_on(stores).await;
     let mut redis = app.redis().await;
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{}tok:*", app.stores.prefix))
-        .query_async(&mut redis)
-        .await
-        .unwrap();
-    for k in keys {
+    for token in tokens.iter().chain([&fresh]) {
         let _: () = redis::cmd("DEL")
-            .arg(k)
+            .arg(app.token_key(token))
             .query_async(&mut redis)
             .await
             .unwrap();

@@ -1,6 +1,7 @@
 //! The integration suite: real Postgres and Redis, one fresh database and
 //! Redis key prefix per test (see `helpers`).
 
+mod admin;
 mod bad_input;
 mod concurrency;
 mod consume;
@@ -11,5 +12,6 @@ mod issue;
 mod orders;
 mod orders_model;
 mod procs;
+mod reconcile;
 mod result_release;
 mod startup_checks;

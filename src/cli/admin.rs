@@ -1,0 +1,443 @@
+//! The `reconcile` and `audit` subcommands: they talk to Postgres (admin
+//! pool) and Redis directly, with the same code as the HTTP admin routes, and
+//! print JSON, text, tables or CSV.
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use clap::{Args, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use tokio_util::sync::CancellationToken;
+
+use crate::admin::{self, AdminError, AuditEvent, AuditPage, AuditQuery, TokenView};
+use crate::config::Settings;
+use crate::durable::Pools;
+use crate::fast::FastTier;
+use crate::metrics::Metrics;
+use crate::reconcile::{self, LogProgress, Progress, ReconcileError, Reconciler};
+use crate::token::TokenCodec;
+
+/// Exit code when another reconcile run holds the lock.
+pub const EXIT_RUNNING: u8 = 3;
+/// Exit code of an interrupted reconcile (SIGINT), as shells do.
+pub const EXIT_INTERRUPTED: u8 = 130;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ReportFormat {
+    Json,
+    Text,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TokenFormat {
+    Json,
+    Table,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EventsFormat {
+    Json,
+    Table,
+    Csv,
+}
+
+/// `reconcile` options.
+#[derive(Debug, Args)]
+pub struct ReconcileArgs {
+    /// Find and report only; change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Only tokens issued and orders updated this recently, e.g. 24h, 30m, 7d.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub since: Option<Duration>,
+    /// Report format.
+    #[arg(long, value_enum, default_value = "json")]
+    pub format: ReportFormat,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AuditCommand {
+    /// One token: its record and its audit events (exit 1 when unknown).
+    Token {
+        /// The token text.
+        token: String,
+        /// Default: table on a terminal, json otherwise.
+        #[arg(long, value_enum)]
+        format: Option<TokenFormat>,
+    },
+    /// Audit events, newest first.
+    Events(EventsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct EventsArgs {
+    #[arg(long)]
+    pub subject: Option<String>,
+    #[arg(long)]
+    pub biz_type: Option<String>,
+    #[arg(long)]
+    pub order_id: Option<String>,
+    /// An audit kind, e.g. token.consumed.
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(admin::KINDS))]
+    pub kind: Option<String>,
+    /// A duration back from now (24h, 30m, 7d) or an RFC 3339 time; inclusive.
+    #[arg(long, value_name = "T", value_parser = parse_time)]
+    pub since: Option<DateTime<Utc>>,
+    /// A duration back from now or an RFC 3339 time; exclusive.
+    #[arg(long, value_name = "T", value_parser = parse_time)]
+    pub until: Option<DateTime<Utc>>,
+    /// Events per page, 1 to 1000.
+    #[arg(long, default_value_t = admin::DEFAULT_LIMIT,
+          value_parser = clap::value_parser!(u32).range(1..=i64::from(admin::MAX_LIMIT)))]
+    pub limit: u32,
+    /// `next_cursor` of the previous page.
+    #[arg(long)]
+    pub cursor: Option<String>,
+    /// Default: table on a terminal, json otherwise.
+    #[arg(long, value_enum)]
+    pub format: Option<EventsFormat>,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s)
+        .map_err(|_| format!("`{s}` is not a duration; use e.g. 24h, 30m, 7d"))
+}
+
+fn parse_time(s: &str) -> Result<DateTime<Utc>, String> {
+    admin::parse_time_arg(s, Utc::now())
+}
+
+fn stdout_is_terminal() -> bool {
+    std::io::stdout().is_terminal()
+}
+
+fn json<T: serde::Serialize>(v: &T) -> String {
+    serde_json::to_string_pretty(v).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+}
+
+/// Progress as a bar on stderr (a terminal).
+struct Bar {
+    current: Mutex<Option<ProgressBar>>,
+}
+
+impl Progress for Bar {
+    fn phase(&self, name: &'static str, total: Option<u64>) {
+        let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = cur.take() {
+            b.finish();
+        }
+        let bar = match total {
+            Some(n) => ProgressBar::new(n).with_style(
+                ProgressStyle::with_template("{prefix:>12} [{bar:30}] {pos}/{len} {elapsed}")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar())
+                    .progress_chars("=> "),
+            ),
+            None => ProgressBar::new_spinner().with_style(
+                ProgressStyle::with_template("{prefix:>12} {spinner} {pos} {elapsed}")
+                    .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+            ),
+        };
+        bar.set_prefix(name);
+        bar.enable_steady_tick(Duration::from_millis(200));
+        *cur = Some(bar);
+    }
+    fn advance(&self, n: u64) {
+        if let Some(b) = self
+            .current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            b.inc(n);
+        }
+    }
+    fn finish(&self) {
+        if let Some(b) = self
+            .current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            b.finish();
+        }
+    }
+}
+
+/// `reconcile`: 0 finished, 3 another run holds the lock, 130 interrupted,
+/// 1 could not run (or a phase failed).
+pub async fn reconcile(settings: &Settings, args: ReconcileArgs) -> ExitCode {
+    let pools = match Pools::new(&settings.postgres) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("idempotency-ledger: postgres.url: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let fast = FastTier::new(settings.redis.clone(), Arc::new(Metrics::new()));
+    let reconciler = Reconciler::new(settings, pools.admin.clone(), fast);
+    let progress: Box<dyn Progress> = if std::io::stderr().is_terminal() {
+        Box::new(Bar {
+            current: Mutex::new(None),
+        })
+    } else {
+        Box::new(LogProgress::new(Duration::from_secs(5)))
+    };
+    let cancel = CancellationToken::new();
+    let on_signal = cancel.clone();
+    let signals = tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("idempotency-ledger: interrupted; finishing the current batch");
+            on_signal.cancel();
+        }
+    });
+    let opts = reconcile::Options {
+        dry_run: args.dry_run,
+        since: args.since,
+    };
+    let out = reconciler.run(&opts, progress.as_ref(), &cancel).await;
+    signals.abort();
+    pools.close().await;
+    match out {
+        Ok(report) => {
+            match args.format {
+                ReportFormat::Json => println!("{}", json(&report)),
+                ReportFormat::Text => print!("{}", report.to_text()),
+            }
+            if report.interrupted {
+                ExitCode::from(EXIT_INTERRUPTED)
+            } else if report.errors.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            }
+        }
+        Err(ReconcileError::Running) => {
+            eprintln!("idempotency-ledger: another reconcile run holds the lock; not started");
+            ExitCode::from(EXIT_RUNNING)
+        }
+        Err(e) => {
+            eprintln!(
+                "idempotency-ledger: reconcile could not run: {:#}",
+                anyhow::Error::from(e)
+            );
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// `audit token` / `audit events`: 0 found, 1 not found or failed, 2 usage.
+pub async fn audit(settings: &Settings, command: AuditCommand) -> ExitCode {
+    let pools = match Pools::new(&settings.postgres) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("idempotency-ledger: postgres.url: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let pool = &pools.admin;
+    let code = match command {
+        AuditCommand::Token { token, format } => {
+            let codec = TokenCodec::new(settings.tokens.signing_keys.clone());
+            match admin::token(pool, &codec, &token).await {
+                Ok(view) => {
+                    let table = format
+                        .map(|f| f == TokenFormat::Table)
+                        .unwrap_or_else(stdout_is_terminal);
+                    if table {
+                        print!("{}", token_table(&view));
+                    } else {
+                        println!("{}", json(&view));
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(e),
+            }
+        }
+        AuditCommand::Events(args) => {
+            let query = AuditQuery {
+                subject: args.subject,
+                biz_type: args.biz_type,
+                order_id: args.order_id,
+                kind: args.kind,
+                since: args.since,
+                until: args.until,
+                limit: args.limit,
+                cursor: args.cursor,
+            };
+            match admin::audit(pool, &query).await {
+                Ok(page) => {
+                    let format = args.format.unwrap_or(if stdout_is_terminal() {
+                        EventsFormat::Table
+                    } else {
+                        EventsFormat::Json
+                    });
+                    match format {
+                        EventsFormat::Json => println!("{}", json(&page)),
+                        EventsFormat::Table => print!("{}", events_table(&page)),
+                        EventsFormat::Csv => print!("{}", events_csv(&page.events)),
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(e),
+            }
+        }
+    };
+    pools.close().await;
+    code
+}
+
+fn fail(e: AdminError) -> ExitCode {
+    let code = match &e {
+        AdminError::TokenInvalid | AdminError::InvalidCursor | AdminError::InvalidRequest(_) => 2,
+        AdminError::TokenNotFound | AdminError::Postgres(_) => 1,
+    };
+    match e {
+        AdminError::Postgres(d) => {
+            eprintln!("idempotency-ledger: {:#}", anyhow::Error::from(d))
+        }
+        other => eprintln!("idempotency-ledger: {other}"),
+    }
+    ExitCode::from(code)
+}
+
+fn or_dash(v: &Option<String>) -> &str {
+    v.as_deref().unwrap_or("-")
+}
+
+fn token_table(v: &TokenView) -> String {
+    let mut out = String::new();
+    let rows: Vec<(&str, String)> = vec![
+        ("token", v.token.clone()),
+        ("biz_type", v.biz_type.clone()),
+        ("subject", or_dash(&v.subject).to_owned()),
+        ("client", or_dash(&v.client).to_owned()),
+        ("state", v.state.to_owned()),
+        ("issued_at", v.issued_at.clone()),
+        ("expires_at", v.expires_at.clone()),
+        ("consumed_at", or_dash(&v.consumed_at).to_owned()),
+        ("fingerprint", or_dash(&v.fingerprint).to_owned()),
+        ("request_id", or_dash(&v.request_id).to_owned()),
+        (
+            "result",
+            v.result
+                .as_ref()
+                .map(|r| r.to_string())
+                .unwrap_or_else(|| "-".into()),
+        ),
+        ("duplicate_attempts", v.duplicate_attempts.to_string()),
+    ];
+    for (k, val) in rows {
+        out.push_str(&format!("{k:<19} {val}\n"));
+    }
+    out.push_str(&format!("\nevents ({}):\n", v.events.len()));
+    out.push_str(&table(&v.events, false));
+    out
+}
+
+fn events_table(page: &AuditPage) -> String {
+    let mut out = table(&page.events, true);
+    match &page.next_cursor {
+        Some(c) => out.push_str(&format!("\nmore: --cursor {c}\n")),
+        None => out.push_str(&format!("\n{} event(s), end\n", page.events.len())),
+    }
+    out
+}
+
+/// Aligned columns, one event a line.
+fn table(events: &[AuditEvent], with_token: bool) -> String {
+    let mut header = vec![
+        "AT", "KIND", "ID", "SUBJECT", "BIZ_TYPE", "ORDER_ID", "CLIENT",
+    ];
+    if with_token {
+        header.push("TOKEN");
+    }
+    header.push("DETAIL");
+    let rows: Vec<Vec<String>> = events
+        .iter()
+        .map(|e| {
+            let mut r = vec![
+                e.at.clone(),
+                e.kind.clone(),
+                e.id.clone(),
+                or_dash(&e.subject).to_owned(),
+                or_dash(&e.biz_type).to_owned(),
+                or_dash(&e.order_id).to_owned(),
+                or_dash(&e.client).to_owned(),
+            ];
+            if with_token {
+                r.push(or_dash(&e.token).to_owned());
+            }
+            r.push(e.detail.to_string());
+            r
+        })
+        .collect();
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for r in &rows {
+        for (i, c) in r.iter().enumerate() {
+            widths[i] = widths[i].max(c.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let last = cells.len() - 1;
+        let mut s = String::new();
+        for (i, c) in cells.into_iter().enumerate() {
+            if i == last {
+                s.push_str(c);
+            } else {
+                s.push_str(&format!("{c:<w$}  ", w = widths[i]));
+            }
+        }
+        s.push('\n');
+        s
+    };
+    let mut out = line(header.clone());
+    for r in &rows {
+        out.push_str(&line(r.iter().map(String::as_str).collect()));
+    }
+    out
+}
+
+/// RFC 4180: quoted when needed, quotes doubled, CRLF-free lines.
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_owned()
+    }
+}
+
+pub fn events_csv(events: &[AuditEvent]) -> String {
+    let mut out = String::from("id,at,kind,token,subject,biz_type,order_id,client,detail\n");
+    for e in events {
+        let cells = [
+            e.id.clone(),
+            e.at.clone(),
+            e.kind.clone(),
+            e.token.clone().unwrap_or_default(),
+            e.subject.clone().unwrap_or_default(),
+            e.biz_type.clone().unwrap_or_default(),
+            e.order_id.clone().unwrap_or_default(),
+            e.client.clone().unwrap_or_default(),
+            e.detail.to_string(),
+        ];
+        let line: Vec<String> = cells.iter().map(|c| csv_field(c)).collect();
+        out.push_str(&line.join(","));
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::csv_field;
+
+    #[test]
+    fn csv_quotes_only_when_needed() {
+        assert_eq!(csv_field("plain"), "plain");
+        assert_eq!(csv_field("a,b"), "\"a,b\"");
+        assert_eq!(csv_field("{\"k\":1}"), "\"{\"\"k\"\":1}\"");
+    }
+}

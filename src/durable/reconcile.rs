@@ -1,0 +1,352 @@
+//! Reconciliation statements: the run lock, batched reads that compare
+//! Postgres with Redis, the order consistency check, the retention purge and
+//! the `reconcile.repaired` audit rows. Every read is a keyset page; every
+//! write is one statement per batch.
+
+use std::collections::HashMap;
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgConnection, PgPool, Row};
+
+use super::tokens::TokenState;
+use super::DurableError;
+
+/// Advisory lock key held for the whole run (the migration lock is ...0001).
+pub const LOCK_KEY: i64 = 0x1ed6_e700_0003;
+
+/// Takes the run lock on `conn` without waiting; `false` when another session
+/// holds it. Released by [`unlock`] or when the connection closes.
+pub async fn try_lock(conn: &mut PgConnection) -> Result<bool, DurableError> {
+    Ok(sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        .bind(LOCK_KEY)
+        .fetch_one(conn)
+        .await?)
+}
+
+pub async fn unlock(conn: &mut PgConnection) -> Result<(), DurableError> {
+    sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(LOCK_KEY)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// What Postgres holds of a token that Redis has a key for.
+#[derive(Debug, Clone)]
+pub struct PgToken {
+    pub id: i64,
+    pub token: String,
+    pub subject: String,
+    pub biz_type: String,
+    pub client: String,
+    pub state: TokenState,
+    pub consumed_at: Option<DateTime<Utc>>,
+    pub fingerprint: Option<String>,
+    pub request_id: Option<String>,
+    pub result: Option<String>,
+    /// `expires_at - now()` in ms by Postgres's clock (negative: expired).
+    pub remaining_ms: i64,
+}
+
+/// The rows of `ids` (missing ids are absent from the map).
+pub async fn tokens_by_ids(
+    pool: &PgPool,
+    ids: &[i64],
+) -> Result<HashMap<i64, PgToken>, DurableError> {
+    if ids.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let rows = sqlx::query(
+        "SELECT id, token, subject, biz_type, client, state, consumed_at, fingerprint, request_id,
+                result::text AS result,
+                (extract(epoch FROM expires_at - now()) * 1000)::bigint AS remaining_ms
+           FROM tokens WHERE id = ANY($1)",
+    )
+    .bind(ids)
+    .fetch_all(pool)
+    .await?;
+    let mut out = HashMap::with_capacity(rows.len());
+    for r in rows {
+        let t = PgToken {
+            id: r.try_get("id")?,
+            token: r.try_get("token")?,
+            subject: r.try_get("subject")?,
+            biz_type: r.try_get("biz_type")?,
+            client: r.try_get("client")?,
+            state: r.try_get("state")?,
+            consumed_at: r.try_get("consumed_at")?,
+            fingerprint: r.try_get("fingerprint")?,
+            request_id: r.try_get("request_id")?,
+            result: r.try_get("result")?,
+            remaining_ms: r.try_get("remaining_ms")?,
+        };
+        out.insert(t.id, t);
+    }
+    Ok(out)
+}
+
+/// A token Postgres says is issued and live.
+#[derive(Debug, Clone)]
+pub struct LiveToken {
+    pub id: i64,
+    pub token: String,
+    pub subject: String,
+    pub biz_type: String,
+    pub client: String,
+    pub expires_at: DateTime<Utc>,
+    pub remaining_ms: i64,
+}
+
+/// Where a page of live tokens starts: after this `(expires_at, id)`.
+pub type LiveCursor = (DateTime<Utc>, i64);
+
+/// One keyset page of live issued tokens, ordered by `(expires_at, id)`
+/// (index `tokens_issued_expiry_idx`), after `after`, with `id >= min_id`,
+/// at least `margin_ms` from expiry.
+pub async fn live_issued_page(
+    pool: &PgPool,
+    after: Option<LiveCursor>,
+    min_id: i64,
+    margin_ms: i64,
+    limit: i64,
+) -> Result<Vec<LiveToken>, DurableError> {
+    let (after_exp, after_id) = after.unwrap_or((DateTime::<Utc>::UNIX_EPOCH, 0));
+    let rows = sqlx::query(
+        "SELECT id, token, subject, biz_type, client, expires_at,
+                (extract(epoch FROM expires_at - now()) * 1000)::bigint AS remaining_ms
+           FROM tokens
+          WHERE state = 'issued' AND expires_at > now() + make_interval(secs => $3)
+            AND (expires_at, id) > ($1, $2) AND id >= $4
+          ORDER BY expires_at, id LIMIT $5",
+    )
+    .bind(after_exp)
+    .bind(after_id)
+    .bind(margin_ms as f64 / 1000.0)
+    .bind(min_id)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(LiveToken {
+                id: r.try_get("id")?,
+                token: r.try_get("token")?,
+                subject: r.try_get("subject")?,
+                biz_type: r.try_get("biz_type")?,
+                client: r.try_get("client")?,
+                expires_at: r.try_get("expires_at")?,
+                remaining_ms: r.try_get("remaining_ms")?,
+            })
+        })
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(Into::into)
+}
+
+/// Which of `ids` are consumed now (re-checked after re-seeding).
+pub async fn consumed_among(pool: &PgPool, ids: &[i64]) -> Result<Vec<i64>, DurableError> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    Ok(
+        sqlx::query_scalar("SELECT id FROM tokens WHERE id = ANY($1) AND state = 'consumed'")
+            .bind(ids)
+            .fetch_all(pool)
+            .await?,
+    )
+}
+
+/// One order's events, tokens and amounts as the consistency check sees them.
+#[derive(Debug, Clone)]
+pub struct OrderFacts {
+    pub order_id: String,
+    pub state: String,
+    pub refunded_minor: i64,
+    pub refund_events_sum: i64,
+    pub paid_events: i64,
+    pub closed_events: i64,
+    /// Events whose token has no consumed `tokens` row bound to this order.
+    pub unbacked_events: i64,
+}
+
+/// One keyset page of orders (`order_id > after`, updated since `since`).
+pub async fn orders_page(
+    pool: &PgPool,
+    after: &str,
+    since: Option<DateTime<Utc>>,
+    limit: i64,
+) -> Result<Vec<OrderFacts>, DurableError> {
+    let rows = sqlx::query(
+        r#"
+        WITH o AS (
+            SELECT order_id, state, refunded_minor FROM orders
+             WHERE order_id > $1 AND updated_at >= coalesce($2, '-infinity'::timestamptz)
+             ORDER BY order_id LIMIT $3
+        )
+        SELECT o.order_id, o.state::text AS state, o.refunded_minor,
+               coalesce(sum(e.amount_minor) FILTER (WHERE e.kind = 'order.refunded'), 0)::bigint
+                   AS refund_events_sum,
+               count(e.id) FILTER (WHERE e.kind = 'order.paid') AS paid_events,
+               count(e.id) FILTER (WHERE e.kind = 'order.closed') AS closed_events,
+               count(e.id) FILTER (WHERE e.token_id IS NOT NULL AND NOT EXISTS (
+                   SELECT 1 FROM tokens t
+                    WHERE t.id = e.token_id AND t.state = 'consumed' AND t.order_id = o.order_id))
+                   AS unbacked_events
+          FROM o LEFT JOIN order_events e ON e.order_id = o.order_id
+         GROUP BY o.order_id, o.state, o.refunded_minor
+         ORDER BY o.order_id
+        "#,
+    )
+    .bind(after)
+    .bind(since)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(OrderFacts {
+                order_id: r.try_get("order_id")?,
+                state: r.try_get("state")?,
+                refunded_minor: r.try_get("refunded_minor")?,
+                refund_events_sum: r.try_get("refund_events_sum")?,
+                paid_events: r.try_get("paid_events")?,
+                closed_events: r.try_get("closed_events")?,
+                unbacked_events: r.try_get("unbacked_events")?,
+            })
+        })
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(Into::into)
+}
+
+/// Which records the retention purge takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PurgeKind {
+    /// Consumed more than `retention` ago (and past their own expiry).
+    Consumed,
+    /// Never consumed, expired more than `retention` ago.
+    Issued,
+}
+
+const PURGE_CONSUMED: &str =
+    "state = 'consumed' AND consumed_at < now() - make_interval(secs => $1)
+     AND expires_at < now() AND order_id IS NULL";
+const PURGE_ISSUED: &str = "state = 'issued' AND expires_at < now() - make_interval(secs => $1)";
+
+fn purge_where(kind: PurgeKind) -> &'static str {
+    match kind {
+        PurgeKind::Consumed => PURGE_CONSUMED,
+        PurgeKind::Issued => PURGE_ISSUED,
+    }
+}
+
+/// How many records the purge would take (dry run).
+pub async fn count_purgeable(
+    pool: &PgPool,
+    kind: PurgeKind,
+    retention_secs: f64,
+) -> Result<i64, DurableError> {
+    Ok(sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM tokens WHERE {}",
+        purge_where(kind)
+    ))
+    .bind(retention_secs)
+    .fetch_one(pool)
+    .await?)
+}
+
+/// Deletes one batch of purgeable records, each with its `reconcile.repaired`
+/// audit row, in one statement. Returns how many were deleted (0: done).
+/// Records bound to an order are kept: they are the order's proof of payment.
+pub async fn purge_batch(
+    pool: &PgPool,
+    kind: PurgeKind,
+    retention_secs: f64,
+    limit: i64,
+) -> Result<u64, DurableError> {
+    let n: i64 = sqlx::query_scalar(&format!(
+        r#"
+        WITH victims AS (
+            SELECT id FROM tokens WHERE {} LIMIT $2 FOR UPDATE SKIP LOCKED
+        ), del AS (
+            DELETE FROM tokens t USING victims v WHERE t.id = v.id
+            RETURNING t.id, t.token, t.subject, t.biz_type, t.client, t.state,
+                      t.consumed_at, t.expires_at
+        ), audit AS (
+            INSERT INTO audit_events (kind, token_id, token, subject, biz_type, client, detail)
+            SELECT 'reconcile.repaired', d.id, d.token, d.subject, d.biz_type, d.client,
+                   jsonb_strip_nulls(jsonb_build_object(
+                       'class', 'expired_purgeable', 'action', 'purged',
+                       'state', d.state::text, 'consumed_at', d.consumed_at,
+                       'expires_at', d.expires_at))
+              FROM del d
+        )
+        SELECT count(*) FROM del
+        "#,
+        purge_where(kind)
+    ))
+    .bind(retention_secs)
+    .bind(limit)
+    .fetch_one(pool)
+    .await?;
+    Ok(u64::try_from(n).unwrap_or(0))
+}
+
+/// One repair, for its `reconcile.repaired` audit row.
+#[derive(Debug, Clone)]
+pub struct Repair {
+    pub class: &'static str,
+    pub action: &'static str,
+    pub token_id: Option<i64>,
+    pub token: Option<String>,
+    pub subject: Option<String>,
+    pub biz_type: Option<String>,
+    pub client: Option<String>,
+    /// Extra facts for the detail (e.g. the number of journal entries).
+    pub count: Option<i64>,
+}
+
+/// Writes the audit rows of a batch of repairs in one statement.
+pub async fn record_repairs(pool: &PgPool, repairs: &[Repair]) -> Result<(), DurableError> {
+    if repairs.is_empty() {
+        return Ok(());
+    }
+    let mut ids = Vec::with_capacity(repairs.len());
+    let mut tokens = Vec::with_capacity(repairs.len());
+    let mut subjects = Vec::with_capacity(repairs.len());
+    let mut bizes = Vec::with_capacity(repairs.len());
+    let mut clients = Vec::with_capacity(repairs.len());
+    let mut classes = Vec::with_capacity(repairs.len());
+    let mut actions = Vec::with_capacity(repairs.len());
+    let mut counts = Vec::with_capacity(repairs.len());
+    for r in repairs {
+        ids.push(r.token_id);
+        tokens.push(r.token.as_deref());
+        subjects.push(r.subject.as_deref());
+        bizes.push(r.biz_type.as_deref());
+        clients.push(r.client.as_deref());
+        classes.push(r.class);
+        actions.push(r.action);
+        counts.push(r.count);
+    }
+    sqlx::query(
+        r#"
+        INSERT INTO audit_events (kind, token_id, token, subject, biz_type, client, detail)
+        SELECT 'reconcile.repaired', r.id, r.token, r.subject, r.biz_type, r.client,
+               jsonb_strip_nulls(jsonb_build_object('class', r.class, 'action', r.action,
+                                                    'entries', r.n))
+          FROM UNNEST($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
+                      $7::text[], $8::bigint[])
+               AS r(id, token, subject, biz_type, client, class, action, n)
+        "#,
+    )
+    .bind(&ids)
+    .bind(&tokens)
+    .bind(&subjects)
+    .bind(&bizes)
+    .bind(&clients)
+    .bind(&classes)
+    .bind(&actions)
+    .bind(&counts)
+    .execute(pool)
+    .await?;
+    Ok(())
+}

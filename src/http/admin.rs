@@ -1,0 +1,286 @@
+//! Admin routes: one token's story, audit event pages, fleet stats (role
+//! admin) and reconciliation (role admin or reconciler). The role is checked
+//! right after authentication, before the request is read: any other role
+//! gets 403 `forbidden` on every admin route.
+
+use actix_web::dev::Payload;
+use actix_web::http::StatusCode;
+use actix_web::{web, FromRequest, HttpRequest, HttpResponse};
+use chrono::{DateTime, Utc};
+use serde::Deserialize;
+use tokio_util::sync::CancellationToken;
+use utoipa::ToSchema;
+
+use super::error::ApiError;
+use super::extract::{BodyLimit, Caller, JsonBody};
+use super::tokens::path_token;
+use super::AppState;
+use crate::admin::{self, AdminError, AuditQuery, Window};
+use crate::auth::{Client, Role};
+use crate::reconcile::{self, ReconcileError, Reconciler};
+
+impl From<AdminError> for ApiError {
+    fn from(e: AdminError) -> ApiError {
+        let message = e.to_string();
+        match e {
+            AdminError::TokenInvalid => ApiError::token_invalid(),
+            AdminError::TokenNotFound => {
+                ApiError::new(StatusCode::NOT_FOUND, "token_not_found", message)
+            }
+            AdminError::InvalidCursor => {
+                ApiError::new(StatusCode::BAD_REQUEST, "invalid_cursor", message)
+            }
+            AdminError::InvalidRequest(m) => ApiError::invalid(m),
+            AdminError::Postgres(d) => postgres(d),
+        }
+    }
+}
+
+impl From<ReconcileError> for ApiError {
+    fn from(e: ReconcileError) -> ApiError {
+        match e {
+            ReconcileError::Running => ApiError::new(
+                StatusCode::CONFLICT,
+                "reconcile_running",
+                "another reconcile run holds the lock; try again when it has finished",
+            ),
+            ReconcileError::Postgres(d) => postgres(d),
+        }
+    }
+}
+
+fn postgres(e: crate::durable::DurableError) -> ApiError {
+    if e.is_unavailable() {
+        let mut err = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "postgres is unavailable; retry",
+        );
+        err.retry_after = Some(1);
+        err.source = Some(e.into());
+        err
+    } else {
+        ApiError::internal(e.into())
+    }
+}
+
+fn authorize(req: &HttpRequest, allowed: &[Role]) -> Result<Client, ApiError> {
+    let Caller(client) = Caller::from_request(req, &mut Payload::None).into_inner()?;
+    if allowed.contains(&client.role) {
+        Ok(client)
+    } else {
+        Err(ApiError::forbidden(
+            "this route needs the admin role (reconcile: admin or reconciler)",
+        ))
+    }
+}
+
+/// A caller with the admin role (401, then 403).
+#[derive(Debug)]
+pub struct AdminCaller(pub Client);
+
+impl FromRequest for AdminCaller {
+    type Error = ApiError;
+    type Future = std::future::Ready<Result<AdminCaller, ApiError>>;
+    fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
+        std::future::ready(authorize(req, &[Role::Admin]).map(AdminCaller))
+    }
+}
+
+/// A caller with the admin or reconciler role (401, then 403).
+#[derive(Debug)]
+pub struct ReconcilerCaller(pub Client);
+
+impl FromRequest for ReconcilerCaller {
+    type Error = ApiError;
+    type Future = std::future::Ready<Result<ReconcilerCaller, ApiError>>;
+    fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
+        std::future::ready(authorize(req, &[Role::Admin, Role::Reconciler]).map(ReconcilerCaller))
+    }
+}
+
+/// What happened to one token: its record and its audit events.
+#[utoipa::path(get, path = "/v1/admin/tokens/{token}", tag = "admin",
+    params(("token" = String, Path, description = "The token text")),
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "The token", body = admin::TokenView),
+        (status = 400, description = "token_invalid", body = super::ErrorBody),
+        (status = 401, description = "unauthorized", body = super::ErrorBody),
+        (status = 403, description = "forbidden: not an admin", body = super::ErrorBody),
+        (status = 404, description = "token_not_found: a valid token this fleet has no record of", body = super::ErrorBody),
+    ))]
+pub async fn token(
+    state: web::Data<AppState>,
+    AdminCaller(_): AdminCaller,
+    token: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let text = path_token(&token)?;
+    let ledger = &state.ledger;
+    let view = admin::token(&ledger.pools().admin, ledger.codec(), text).await?;
+    Ok(HttpResponse::Ok().json(view))
+}
+
+/// Query of `GET /v1/admin/audit`; empty values count as absent.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct AuditParams {
+    pub subject: Option<String>,
+    pub biz_type: Option<String>,
+    pub order_id: Option<String>,
+    /// One of the audit kinds, e.g. `token.consumed`.
+    pub kind: Option<String>,
+    /// RFC 3339; inclusive.
+    pub since: Option<String>,
+    /// RFC 3339; exclusive.
+    pub until: Option<String>,
+    /// 1 to 1000; default 100.
+    pub limit: Option<String>,
+    /// `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+}
+
+fn present(v: &Option<String>) -> Option<String> {
+    v.as_ref().filter(|s| !s.is_empty()).cloned()
+}
+
+fn rfc3339(key: &str, v: &Option<String>) -> Result<Option<DateTime<Utc>>, ApiError> {
+    present(v)
+        .map(|s| {
+            DateTime::parse_from_rfc3339(&s)
+                .map(|t| t.with_timezone(&Utc))
+                .map_err(|_| ApiError::invalid(format!("`{key}` must be an RFC 3339 time")))
+        })
+        .transpose()
+}
+
+impl AuditParams {
+    fn parse(&self) -> Result<AuditQuery, ApiError> {
+        let limit = match present(&self.limit) {
+            None => admin::DEFAULT_LIMIT,
+            Some(s) => s.parse().map_err(|_| {
+                ApiError::invalid(format!(
+                    "`limit` must be between 1 and {}",
+                    admin::MAX_LIMIT
+                ))
+            })?,
+        };
+        let query = AuditQuery {
+            subject: present(&self.subject),
+            biz_type: present(&self.biz_type),
+            order_id: present(&self.order_id),
+            kind: present(&self.kind),
+            since: rfc3339("since", &self.since)?,
+            until: rfc3339("until", &self.until)?,
+            limit,
+            cursor: present(&self.cursor),
+        };
+        query.validate()?;
+        Ok(query)
+    }
+}
+
+/// Audit events, newest first by (`at`, `id`), one page at a time.
+#[utoipa::path(get, path = "/v1/admin/audit", tag = "admin", params(AuditParams),
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "One page; `next_cursor` is null at the end", body = admin::AuditPage),
+        (status = 400, description = "invalid_request (bad filter, limit beyond 1000), invalid_cursor", body = super::ErrorBody),
+        (status = 401, description = "unauthorized", body = super::ErrorBody),
+        (status = 403, description = "forbidden: not an admin", body = super::ErrorBody),
+    ))]
+pub async fn audit(
+    state: web::Data<AppState>,
+    AdminCaller(_): AdminCaller,
+    query: Result<web::Query<AuditParams>, actix_web::Error>,
+) -> Result<HttpResponse, ApiError> {
+    let query = query.map_err(|e| ApiError::invalid(format!("bad query: {e}")))?;
+    let query = query.parse()?;
+    let page = admin::audit(&state.ledger.pools().admin, &query).await?;
+    Ok(HttpResponse::Ok().json(page))
+}
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct StatsParams {
+    /// `<n>s|m|h|d`, default `1h`.
+    pub window: Option<String>,
+}
+
+/// Fleet-wide counters per biz type over a window.
+#[utoipa::path(get, path = "/v1/admin/stats", tag = "admin", params(StatsParams),
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "Counters per biz type", body = admin::Stats),
+        (status = 400, description = "invalid_request: bad window", body = super::ErrorBody),
+        (status = 401, description = "unauthorized", body = super::ErrorBody),
+        (status = 403, description = "forbidden: not an admin", body = super::ErrorBody),
+    ))]
+pub async fn stats(
+    state: web::Data<AppState>,
+    AdminCaller(_): AdminCaller,
+    query: Result<web::Query<StatsParams>, actix_web::Error>,
+) -> Result<HttpResponse, ApiError> {
+    let query = query.map_err(|e| ApiError::invalid(format!("bad query: {e}")))?;
+    let window = Window::parse(query.window.as_deref().unwrap_or("1h"))?;
+    let ledger = &state.ledger;
+    let configured = ledger.settings().biz.keys().map(|b| b.to_string());
+    let stats = admin::stats(&ledger.pools().admin, &window, ledger.mode(), configured).await?;
+    Ok(HttpResponse::Ok().json(stats))
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReconcileRequest {
+    /// Find and report only. Default false.
+    #[serde(default)]
+    pub dry_run: bool,
+    /// Limit the token and order scans to this window back from now, e.g. `24h`.
+    #[schema(example = "24h")]
+    pub since: Option<String>,
+}
+impl BodyLimit for ReconcileRequest {}
+
+/// Run a reconciliation now and answer its report.
+#[utoipa::path(post, path = "/v1/admin/reconcile", tag = "admin", request_body = ReconcileRequest,
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "The report", body = reconcile::Report),
+        (status = 400, description = "invalid_request", body = super::ErrorBody),
+        (status = 401, description = "unauthorized", body = super::ErrorBody),
+        (status = 403, description = "forbidden: needs admin or reconciler", body = super::ErrorBody),
+        (status = 409, description = "reconcile_running: another run holds the lock", body = super::ErrorBody),
+    ))]
+pub async fn run_reconcile(
+    state: web::Data<AppState>,
+    ReconcilerCaller(caller): ReconcilerCaller,
+    JsonBody(body): JsonBody<ReconcileRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let since = body
+        .since
+        .as_deref()
+        .map(|s| {
+            humantime::parse_duration(s)
+                .map_err(|_| ApiError::invalid("`since` must be a duration such as 24h, 30m, 7d"))
+        })
+        .transpose()?;
+    let ledger = &state.ledger;
+    let reconciler = Reconciler::new(
+        ledger.settings(),
+        ledger.pools().admin.clone(),
+        ledger.fast().clone(),
+    );
+    tracing::info!(client = %caller.name, dry_run = body.dry_run, "reconcile requested over HTTP");
+    let progress = reconcile::LogProgress::new(std::time::Duration::from_secs(10));
+    let report = reconciler
+        .run(
+            &reconcile::Options {
+                dry_run: body.dry_run,
+                since,
+            },
+            &progress,
+            &CancellationToken::new(),
+        )
+        .await?;
+    Ok(HttpResponse::Ok().json(report))
+}

@@ -1,0 +1,722 @@
+//! Reconciliation: compares the tiers and repairs what diverged, in batches,
+//! under a Postgres advisory lock (one run at a time across the fleet).
+//!
+//! Phases, in this order (each one makes the next one's comparison truer):
+//! 1. `journal_not_durable`: fast-type journal entries still in the Redis
+//!    stream are written to Postgres (the journal drainer's own code).
+//! 2. A `SCAN` of `<prefix>tok:*` in pages, each page read with one pipeline
+//!    and compared with Postgres in one query:
+//!    `redis_live_but_consumed` (Redis says issued, Postgres consumed: the key
+//!    is deleted, so Postgres answers) and `stale_provisional` (a provisional
+//!    marker past its deadline: back to issued with the remaining TTL, or to
+//!    consumed when Postgres consumed it).
+//! 3. Keyset pages of the tokens Postgres holds as issued and live:
+//!    `redis_missing_but_live` (re-seeded with the remaining TTL by Postgres's
+//!    clock; never overwriting a key; undone when a consume won meanwhile).
+//! 4. Keyset pages of orders: `order_inconsistent` (reported, never repaired).
+//! 5. `expired_purgeable`: records past `tokens.retention` (and past their
+//!    own expiry) are deleted in batches; they then answer `token_expired`.
+//!
+//! Every repair writes a `reconcile.repaired` audit event whose detail names
+//! the class. Every Redis repair is one script on one key that checks the
+//! state it expects first, so a repair racing live traffic does nothing
+//! rather than something wrong. No repair makes a consumed token live again.
+//! The run stops between batches when cancelled; rerunning continues the job.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use futures_util::stream::{self, StreamExt};
+use serde::Serialize;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+use utoipa::ToSchema;
+
+use crate::config::Settings;
+use crate::durable::reconcile::{self as sql, PurgeKind, Repair};
+use crate::durable::tokens::TokenState;
+use crate::durable::DurableError;
+use crate::fast::{FastError, FastTier, KeyState, Marker};
+use crate::token::{SnowflakeId, TokenCodec};
+
+pub use crate::durable::reconcile::LOCK_KEY;
+
+/// Tokens this close to expiry are left alone by the re-seed.
+const RESEED_MARGIN_MS: i64 = 2_000;
+/// Re-seed scripts in flight at once.
+const RESEED_IN_FLIGHT: usize = 32;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    /// Another run holds the advisory lock (CLI exit 3, HTTP 409).
+    #[error("another reconcile run holds the lock")]
+    Running,
+    #[error("postgres")]
+    Postgres(#[from] DurableError),
+}
+
+/// What to do.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// Find and report only; change nothing.
+    pub dry_run: bool,
+    /// Only tokens issued, and orders updated, this recently (the journal and
+    /// the retention purge are always whole).
+    pub since: Option<Duration>,
+}
+
+/// Counts per divergence class.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, ToSchema)]
+pub struct Classes {
+    pub redis_live_but_consumed: u64,
+    pub redis_missing_but_live: u64,
+    pub stale_provisional: u64,
+    pub journal_not_durable: u64,
+    pub order_inconsistent: u64,
+    pub expired_purgeable: u64,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, ToSchema)]
+pub struct Scanned {
+    /// Token records looked at: Redis keys plus Postgres rows.
+    pub tokens: u64,
+    pub orders: u64,
+}
+
+/// An order whose events, tokens and amounts disagree: for a human.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+pub struct InconsistentOrder {
+    pub order_id: String,
+    pub problems: Vec<String>,
+}
+
+/// The report of API.md, plus the inconsistent orders, whether the run was
+/// interrupted, and the errors that stopped a phase.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Report {
+    pub started_at: String,
+    pub finished_at: String,
+    pub dry_run: bool,
+    pub scanned: Scanned,
+    pub found: Classes,
+    pub repaired: Classes,
+    /// The orders counted in `found.order_inconsistent`.
+    pub inconsistent_orders: Vec<InconsistentOrder>,
+    /// Stopped early (cancelled); rerun to finish.
+    pub interrupted: bool,
+    /// Phases that could not finish (e.g. Redis unreachable); the others ran.
+    pub errors: Vec<String>,
+}
+
+/// Where a run reports its progress.
+pub trait Progress: Send + Sync {
+    /// A phase begins; `total` when it is known.
+    fn phase(&self, name: &'static str, total: Option<u64>);
+    /// `n` more items of the current phase are done.
+    fn advance(&self, n: u64);
+    /// The run is over.
+    fn finish(&self) {}
+}
+
+/// No progress output.
+#[derive(Debug, Default)]
+pub struct Quiet;
+
+impl Progress for Quiet {
+    fn phase(&self, _: &'static str, _: Option<u64>) {}
+    fn advance(&self, _: u64) {}
+}
+
+/// Progress as log lines: one per phase, then at most one every `every`.
+#[derive(Debug)]
+pub struct LogProgress {
+    every: Duration,
+    state: Mutex<(&'static str, Option<u64>, u64, Instant)>,
+}
+
+impl LogProgress {
+    pub fn new(every: Duration) -> LogProgress {
+        LogProgress {
+            every,
+            state: Mutex::new(("", None, 0, Instant::now())),
+        }
+    }
+}
+
+impl Progress for LogProgress {
+    fn phase(&self, name: &'static str, total: Option<u64>) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        *s = (name, total, 0, Instant::now());
+        tracing::info!(phase = name, total, "reconcile: phase started");
+    }
+    fn advance(&self, n: u64) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.2 += n;
+        if s.3.elapsed() >= self.every {
+            s.3 = Instant::now();
+            tracing::info!(phase = s.0, done = s.2, total = s.1, "reconcile: progress");
+        }
+    }
+}
+
+/// Runs reconciliations. Cheap to build; holds the admin pool.
+#[derive(Debug, Clone)]
+pub struct Reconciler {
+    pool: PgPool,
+    fast: Arc<FastTier>,
+    codec: TokenCodec,
+    retention: Duration,
+    batch: usize,
+}
+
+impl Reconciler {
+    pub fn new(settings: &Settings, admin_pool: PgPool, fast: Arc<FastTier>) -> Reconciler {
+        Reconciler {
+            pool: admin_pool,
+            fast,
+            codec: TokenCodec::new(settings.tokens.signing_keys.clone()),
+            retention: settings.tokens.retention,
+            batch: settings.reconcile.batch_size.max(1),
+        }
+    }
+
+    /// One run: takes the lock (or answers [`ReconcileError::Running`]),
+    /// goes through every phase, and reports. A phase that fails is named in
+    /// `errors` and the run goes on with the next one.
+    pub async fn run(
+        &self,
+        opts: &Options,
+        progress: &dyn Progress,
+        cancel: &CancellationToken,
+    ) -> Result<Report, ReconcileError> {
+        // A connection of its own, detached from the pool: if this run is
+        // dropped mid-way the connection closes and the lock goes with it,
+        // instead of going back to the pool still held.
+        let mut lock_conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(DurableError::from)?
+            .detach();
+        if !sql::try_lock(&mut lock_conn).await? {
+            return Err(ReconcileError::Running);
+        }
+        let started = Utc::now();
+        tracing::info!(dry_run = opts.dry_run, since = ?opts.since, "reconcile: started");
+        let mut run = Run {
+            r: self,
+            opts,
+            progress,
+            cancel,
+            since: opts
+                .since
+                .and_then(|d| chrono::Duration::from_std(d).ok())
+                .and_then(|d| started.checked_sub_signed(d)),
+            scanned: Scanned::default(),
+            found: Classes::default(),
+            repaired: Classes::default(),
+            orders: Vec::new(),
+            errors: Vec::new(),
+        };
+        run.all().await;
+        progress.finish();
+        let _ = sql::unlock(&mut lock_conn).await;
+        drop(lock_conn);
+        let report = Report {
+            started_at: crate::admin::time(started),
+            finished_at: crate::admin::time(Utc::now()),
+            dry_run: opts.dry_run,
+            scanned: run.scanned,
+            found: run.found,
+            repaired: run.repaired,
+            inconsistent_orders: run.orders,
+            interrupted: cancel.is_cancelled(),
+            errors: run.errors,
+        };
+        tracing::info!(found = ?report.found, repaired = ?report.repaired, interrupted = report.interrupted, errors = report.errors.len(), "reconcile: finished");
+        Ok(report)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum PhaseError {
+    #[error("redis: {0}")]
+    Redis(#[from] FastError),
+    #[error("postgres: {0:#}")]
+    Postgres(#[from] DurableError),
+    #[error("journal: {0:#}")]
+    Journal(anyhow::Error),
+}
+
+/// The state of one run.
+struct Run<'a> {
+    r: &'a Reconciler,
+    opts: &'a Options,
+    progress: &'a dyn Progress,
+    cancel: &'a CancellationToken,
+    since: Option<DateTime<Utc>>,
+    scanned: Scanned,
+    found: Classes,
+    repaired: Classes,
+    orders: Vec<InconsistentOrder>,
+    errors: Vec<String>,
+}
+
+fn marker_of(t: &sql::PgToken) -> Marker {
+    Marker {
+        at_ms: t.consumed_at.map(|c| c.timestamp_millis()).unwrap_or(0),
+        request_id: t.request_id.clone(),
+        fingerprint: t.fingerprint.clone(),
+        result: t.result.clone(),
+    }
+}
+
+fn repair_of(class: &'static str, action: &'static str, t: &sql::PgToken) -> Repair {
+    Repair {
+        class,
+        action,
+        token_id: Some(t.id),
+        token: Some(t.token.clone()),
+        subject: Some(t.subject.clone()),
+        biz_type: Some(t.biz_type.clone()),
+        client: Some(t.client.clone()),
+        count: None,
+    }
+}
+
+impl Run<'_> {
+    async fn all(&mut self) {
+        let phases: [&'static str; 5] = ["journal", "redis keys", "live tokens", "orders", "purge"];
+        for name in phases {
+            if self.cancel.is_cancelled() {
+                return;
+            }
+            let out = match name {
+                "journal" => self.journal().await,
+                "redis keys" => self.redis_keys().await,
+                "live tokens" => self.live_tokens().await,
+                "orders" => self.orders().await,
+                _ => self.purge().await,
+            };
+            if let Err(e) = out {
+                tracing::error!(phase = name, error = %e, "reconcile: phase failed");
+                self.errors.push(format!("{name}: {e}"));
+            }
+        }
+    }
+
+    fn pool(&self) -> &PgPool {
+        &self.r.pool
+    }
+
+    /// Phase 1: fast-type journal entries not yet in Postgres.
+    async fn journal(&mut self) -> Result<(), PhaseError> {
+        let waiting = self.r.fast.journal_len().await?;
+        self.progress.phase("journal", Some(waiting));
+        self.found.journal_not_durable += waiting;
+        if self.opts.dry_run || waiting == 0 {
+            return Ok(());
+        }
+        let key = self.r.fast.journal_key();
+        let mut group_ready = false;
+        // In the past, so that the first round also claims entries a dead
+        // instance left pending (idle for 30 s or more).
+        let mut last_claim = tokio::time::Instant::now()
+            .checked_sub(Duration::from_secs(60))
+            .unwrap_or_else(tokio::time::Instant::now);
+        // Entries an earlier interrupted run read but did not acknowledge come first.
+        let mut own_pending = true;
+        loop {
+            if self.cancel.is_cancelled() {
+                return Ok(());
+            }
+            let n = crate::journal::drain_once(
+                &self.r.fast,
+                self.pool(),
+                &key,
+                "reconcile",
+                &mut group_ready,
+                &mut last_claim,
+                &mut own_pending,
+            )
+            .await
+            .map_err(PhaseError::Journal)?;
+            if n == 0 {
+                return Ok(());
+            }
+            sql::record_repairs(
+                self.pool(),
+                &[Repair {
+                    class: "journal_not_durable",
+                    action: "written",
+                    token_id: None,
+                    token: None,
+                    subject: None,
+                    biz_type: None,
+                    client: None,
+                    count: Some(n as i64),
+                }],
+            )
+            .await?;
+            self.repaired.journal_not_durable += n as u64;
+            self.progress.advance(n as u64);
+        }
+    }
+
+    /// Phase 2: every token key in Redis against Postgres.
+    async fn redis_keys(&mut self) -> Result<(), PhaseError> {
+        self.progress.phase("redis keys", None);
+        let since_ms = self.since.map(|t| t.timestamp_millis());
+        for node in self.r.fast.scan_nodes().await? {
+            let mut cursor = 0u64;
+            loop {
+                if self.cancel.is_cancelled() {
+                    return Ok(());
+                }
+                let (next, texts) = self.r.fast.scan_tokens(&node, cursor, self.r.batch).await?;
+                let mut seen = HashSet::new();
+                let page: Vec<(String, SnowflakeId, i64)> = texts
+                    .into_iter()
+                    .filter(|t| seen.insert(t.clone()))
+                    .filter_map(|t| {
+                        let v = self.r.codec.verify(&t).ok()?;
+                        let issued = v.claims.issued_at_ms();
+                        if since_ms.is_some_and(|s| issued < s) {
+                            return None;
+                        }
+                        Some((t, v.claims.id, v.claims.expires_at_ms()))
+                    })
+                    .collect();
+                self.page_of_keys(&page).await?;
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+        Ok(())
+    }
+
+    async fn page_of_keys(
+        &mut self,
+        page: &[(String, SnowflakeId, i64)],
+    ) -> Result<(), PhaseError> {
+        if page.is_empty() {
+            return Ok(());
+        }
+        self.scanned.tokens += page.len() as u64;
+        let texts: Vec<String> = page.iter().map(|p| p.0.clone()).collect();
+        let (redis_now, states) = self.r.fast.key_states(&texts).await?;
+        let suspects: Vec<usize> = states
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| match s {
+                KeyState::Issued => true,
+                KeyState::Provisional { deadline_ms } => *deadline_ms <= redis_now,
+                _ => false,
+            })
+            .map(|(i, _)| i)
+            .collect();
+        if suspects.is_empty() {
+            self.progress.advance(page.len() as u64);
+            return Ok(());
+        }
+        let ids: Vec<i64> = suspects.iter().map(|&i| page[i].1.as_i64()).collect();
+        let rows = sql::tokens_by_ids(self.pool(), &ids).await?;
+        let mut repairs = Vec::new();
+        for i in suspects {
+            let (text, id, exp_ms) = &page[i];
+            let row = rows.get(&id.as_i64());
+            match states[i] {
+                KeyState::Issued => {
+                    let Some(t) = row.filter(|t| t.state == TokenState::Consumed) else {
+                        continue;
+                    };
+                    self.found.redis_live_but_consumed += 1;
+                    if !self.opts.dry_run && self.r.fast.drop_if_issued(text).await? {
+                        self.repaired.redis_live_but_consumed += 1;
+                        repairs.push(repair_of("redis_live_but_consumed", "deleted", t));
+                    }
+                }
+                KeyState::Provisional { .. } => {
+                    self.found.stale_provisional += 1;
+                    if self.opts.dry_run {
+                        continue;
+                    }
+                    let consumed = row.filter(|t| t.state == TokenState::Consumed);
+                    let remaining = row.map(|t| t.remaining_ms).unwrap_or(exp_ms - redis_now);
+                    let marker = consumed.map(marker_of);
+                    if self
+                        .r
+                        .fast
+                        .clear_stale(text, remaining, marker.as_ref())
+                        .await?
+                    {
+                        self.repaired.stale_provisional += 1;
+                        let action = if consumed.is_some() {
+                            "marked_consumed"
+                        } else if remaining > 0 {
+                            "reset_to_issued"
+                        } else {
+                            "deleted"
+                        };
+                        repairs.push(match row {
+                            Some(t) => repair_of("stale_provisional", action, t),
+                            None => Repair {
+                                class: "stale_provisional",
+                                action,
+                                token_id: Some(id.as_i64()),
+                                token: Some(text.clone()),
+                                subject: None,
+                                biz_type: text.split('_').next().map(str::to_owned),
+                                client: None,
+                                count: None,
+                            },
+                        });
+                    }
+                }
+                _ => {}
+            }
+        }
+        sql::record_repairs(self.pool(), &repairs).await?;
+        self.progress.advance(page.len() as u64);
+        Ok(())
+    }
+
+    /// Phase 3: tokens Postgres holds as issued and live, against Redis.
+    async fn live_tokens(&mut self) -> Result<(), PhaseError> {
+        self.progress.phase("live tokens", None);
+        let min_id = self
+            .since
+            .map(|t| SnowflakeId::from_parts(t.timestamp_millis(), 0, 0).as_i64())
+            .unwrap_or(0);
+        let mut after = None;
+        loop {
+            if self.cancel.is_cancelled() {
+                return Ok(());
+            }
+            let page = sql::live_issued_page(
+                self.pool(),
+                after,
+                min_id,
+                RESEED_MARGIN_MS,
+                self.r.batch as i64,
+            )
+            .await?;
+            let Some(last) = page.last() else {
+                return Ok(());
+            };
+            after = Some((last.expires_at, last.id));
+            self.scanned.tokens += page.len() as u64;
+            let texts: Vec<String> = page.iter().map(|t| t.token.clone()).collect();
+            let (_, states) = self.r.fast.key_states(&texts).await?;
+            let missing: Vec<&sql::LiveToken> = page
+                .iter()
+                .zip(&states)
+                .filter(|(_, s)| **s == KeyState::Missing)
+                .map(|(t, _)| t)
+                .collect();
+            self.found.redis_missing_but_live += missing.len() as u64;
+            if !self.opts.dry_run && !missing.is_empty() {
+                // One script per key, a few in flight at once (a Redis that
+                // lost everything needs every live token back).
+                let fast = self.r.fast.clone();
+                let outcomes: Vec<Result<(bool, &sql::LiveToken), FastError>> =
+                    stream::iter(missing.iter().copied())
+                        .map(|t| {
+                            let fast = fast.clone();
+                            async move {
+                                fast.reseed(&t.token, t.remaining_ms)
+                                    .await
+                                    .map(|ok| (ok, t))
+                            }
+                        })
+                        .buffer_unordered(RESEED_IN_FLIGHT)
+                        .collect()
+                        .await;
+                let mut seeded = Vec::new();
+                for o in outcomes {
+                    let (ok, t) = o?;
+                    if ok {
+                        seeded.push(t);
+                    }
+                }
+                // A consume may have won in Postgres between our read and the
+                // seed: take the seed back so Redis never shows it live.
+                let ids: Vec<i64> = seeded.iter().map(|t| t.id).collect();
+                let won: HashSet<i64> = sql::consumed_among(self.pool(), &ids)
+                    .await?
+                    .into_iter()
+                    .collect();
+                let mut repairs = Vec::new();
+                for t in seeded {
+                    if won.contains(&t.id) {
+                        self.r.fast.drop_if_issued(&t.token).await?;
+                        continue;
+                    }
+                    self.repaired.redis_missing_but_live += 1;
+                    repairs.push(Repair {
+                        class: "redis_missing_but_live",
+                        action: "reseeded",
+                        token_id: Some(t.id),
+                        token: Some(t.token.clone()),
+                        subject: Some(t.subject.clone()),
+                        biz_type: Some(t.biz_type.clone()),
+                        client: Some(t.client.clone()),
+                        count: None,
+                    });
+                }
+                sql::record_repairs(self.pool(), &repairs).await?;
+            }
+            self.progress.advance(page.len() as u64);
+        }
+    }
+
+    /// Phase 4: orders whose events, tokens and amounts disagree.
+    async fn orders(&mut self) -> Result<(), PhaseError> {
+        self.progress.phase("orders", None);
+        let mut after = String::new();
+        loop {
+            if self.cancel.is_cancelled() {
+                return Ok(());
+            }
+            let page =
+                sql::orders_page(self.pool(), &after, self.since, self.r.batch as i64).await?;
+            let Some(last) = page.last() else {
+                return Ok(());
+            };
+            after = last.order_id.clone();
+            self.scanned.orders += page.len() as u64;
+            for o in &page {
+                let problems = order_problems(o);
+                if !problems.is_empty() {
+                    self.found.order_inconsistent += 1;
+                    self.orders.push(InconsistentOrder {
+                        order_id: o.order_id.clone(),
+                        problems,
+                    });
+                }
+            }
+            self.progress.advance(page.len() as u64);
+        }
+    }
+
+    /// Phase 5: records past retention.
+    async fn purge(&mut self) -> Result<(), PhaseError> {
+        let secs = self.r.retention.as_secs_f64();
+        let mut total = 0u64;
+        for kind in [PurgeKind::Consumed, PurgeKind::Issued] {
+            total +=
+                u64::try_from(sql::count_purgeable(self.pool(), kind, secs).await?).unwrap_or(0);
+        }
+        self.progress.phase("purge", Some(total));
+        self.found.expired_purgeable += total;
+        if self.opts.dry_run {
+            return Ok(());
+        }
+        for kind in [PurgeKind::Consumed, PurgeKind::Issued] {
+            loop {
+                if self.cancel.is_cancelled() {
+                    return Ok(());
+                }
+                let n = sql::purge_batch(self.pool(), kind, secs, self.r.batch as i64).await?;
+                if n == 0 {
+                    break;
+                }
+                self.repaired.expired_purgeable += n;
+                self.progress.advance(n);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What is wrong with one order, in words (empty: consistent).
+fn order_problems(o: &sql::OrderFacts) -> Vec<String> {
+    let mut p = Vec::new();
+    if o.refunded_minor != o.refund_events_sum {
+        p.push(format!(
+            "refunded_minor is {} but its order.refunded events sum to {}",
+            o.refunded_minor, o.refund_events_sum
+        ));
+    }
+    let paid_state = matches!(o.state.as_str(), "PAID" | "PARTIALLY_REFUNDED" | "REFUNDED");
+    if paid_state && o.paid_events == 0 {
+        p.push(format!("state {} without an order.paid event", o.state));
+    }
+    if o.paid_events > 1 {
+        p.push(format!("{} order.paid events", o.paid_events));
+    }
+    if o.state == "CLOSED" && o.closed_events == 0 {
+        p.push("state CLOSED without an order.closed event".to_owned());
+    }
+    if o.state == "CREATED" && (o.paid_events > 0 || o.closed_events > 0) {
+        p.push("state CREATED but it has an order.paid or order.closed event".to_owned());
+    }
+    if o.unbacked_events > 0 {
+        p.push(format!(
+            "{} event(s) whose token has no consumed tokens row bound to this order",
+            o.unbacked_events
+        ));
+    }
+    p
+}
+
+/// Map for callers that want the classes by name (text output).
+impl Classes {
+    pub fn by_name(&self) -> Vec<(&'static str, u64)> {
+        vec![
+            ("redis_live_but_consumed", self.redis_live_but_consumed),
+            ("redis_missing_but_live", self.redis_missing_but_live),
+            ("stale_provisional", self.stale_provisional),
+            ("journal_not_durable", self.journal_not_durable),
+            ("order_inconsistent", self.order_inconsistent),
+            ("expired_purgeable", self.expired_purgeable),
+        ]
+    }
+}
+
+impl Report {
+    /// The report for humans (`--format text`).
+    pub fn to_text(&self) -> String {
+        let mut out = format!(
+            "reconcile{} from {} to {}\nscanned: {} token records, {} orders\n\n{:<26} {:>10} {:>10}\n",
+            if self.dry_run { " (dry run)" } else { "" },
+            self.started_at,
+            self.finished_at,
+            self.scanned.tokens,
+            self.scanned.orders,
+            "class",
+            "found",
+            "repaired"
+        );
+        let repaired: HashMap<_, _> = self.repaired.by_name().into_iter().collect();
+        for (name, n) in self.found.by_name() {
+            out.push_str(&format!(
+                "{:<26} {:>10} {:>10}\n",
+                name,
+                n,
+                repaired.get(name).copied().unwrap_or(0)
+            ));
+        }
+        for o in &self.inconsistent_orders {
+            out.push_str(&format!(
+                "\norder {}: {}",
+                o.order_id,
+                o.problems.join("; ")
+            ));
+        }
+        if !self.inconsistent_orders.is_empty() {
+            out.push('\n');
+        }
+        if self.interrupted {
+            out.push_str("\ninterrupted: rerun to finish\n");
+        }
+        for e in &self.errors {
+            out.push_str(&format!("\nerror: {e}\n"));
+        }
+        out
+    }
+}

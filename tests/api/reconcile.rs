@@ -1,0 +1,726 @@
+//! Reconciliation: every divergence class made for real (Redis keys deleted or
+//! rewritten, journal leftovers added with XADD, orders broken in SQL, records
+//! aged past retention), then a dry run, a real run and a run that finds
+//! nothing; one run at a time (library, CLI and HTTP racing a paused run).
+
+use std::process::Output;
+use std::sync::{mpsc, Arc};
+
+use idempotency_ledger::durable::Pools;
+use idempotency_ledger::fast::FastTier;
+use idempotency_ledger::metrics::Metrics;
+use idempotency_ledger::reconcile::{
+    Classes, Options, Progress, Quiet, ReconcileError, Reconciler, Report,
+};
+use redis::AsyncCommands;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::helpers::*;
+
+/// A reconciler of its own (own pools and Redis connections), as the CLI has.
+fn reconciler(stores: &Stores) -> (Reconciler, Pools) {
+    let settings = stores.settings();
+    let pools = Pools::new(&settings.postgres).expect("pools");
+    let fast = FastTier::new(settings.redis.clone(), Arc::new(Metrics::new()));
+    (Reconciler::new(&settings, pools.admin.clone(), fast), pools)
+}
+
+async fn run(stores: &Stores, dry_run: bool) -> Report {
+    let (r, pools) = reconciler(stores);
+    let report = r
+        .run(
+            &Options {
+                dry_run,
+                since: None,
+            },
+            &Quiet,
+            &CancellationToken::new(),
+        )
+        .await
+        .expect("reconcile runs");
+    pools.close().await;
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert!(!report.interrupted);
+    report
+}
+
+/// Writes a config file for the CLI binary pointing at this test's stores.
+pub fn cli_config(stores: &Stores) -> tempfile::NamedTempFile {
+    let file = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(
+        file.path(),
+        format!(
+            "[postgres]\nurl = \"{}\"\nadmin_pool_size = 2\n\n[redis]\nurl = \"{}\"\nkey_prefix = \"{}\"\ntimeout = \"2s\"\n",
+            stores.db_url(),
+            stores.redis_url,
+            stores.prefix
+        ),
+    )
+    .expect("config written");
+    file
+}
+
+/// Runs the binary with `--config` and `args`; stdout is a pipe (not a terminal).
+pub async fn cli(config: &tempfile::NamedTempFile, args: &[&str]) -> Output {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_idempotency-ledger"))
+        .arg("--config")
+        .arg(config.path())
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .expect("the binary runs")
+}
+
+async fn redis_conn() -> redis::aio::MultiplexedConnection {
+    redis::Client::open(REDIS_URL)
+        .expect("redis url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis connection")
+}
+
+async fn token_id(pg: &PgPool, token: &str) -> i64 {
+    eventually(5, || async {
+        sqlx::query_scalar::<_, i64>("SELECT id FROM tokens WHERE token = $1")
+            .bind(token)
+            .fetch_optional(pg)
+            .await
+            .expect("query")
+    })
+    .await
+}
+
+async fn state_of(r: &mut redis::aio::MultiplexedConnection, key: &str) -> Option<String> {
+    r.hget(key, "s").await.expect("hget")
+}
+
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+/// Inserts a token row by hand (for ages no real clock reaches in a test).
+#[allow(clippy::too_many_arguments)]
+async fn insert_token(
+    pg: &PgPool,
+    id: i64,
+    token: &str,
+    state: &str,
+    expires_at: &str,
+    consumed_at: Option<&str>,
+    order_id: Option<&str>,
+) {
+    sqlx::query(
+        "INSERT INTO tokens (id, token, biz_type, durability, subject, client, issued_at, expires_at,
+                             state, consumed_at, order_id)
+         VALUES ($1, $2, split_part($2, '_', 1), 'durable', 'u-old', 'payments',
+                 now() - interval '30 days', now() + $3::interval, $4::token_state,
+                 now() + $5::interval, $6)",
+    )
+    .bind(id)
+    .bind(token)
+    .bind(expires_at)
+    .bind(state)
+    .bind(consumed_at)
+    .bind(order_id)
+    .execute(pg)
+    .await
+    .expect("token row inserted");
+}
+
+fn expected(
+    live_consumed: u64,
+    missing: u64,
+    stale: u64,
+    journal: u64,
+    orders: u64,
+    purge: u64,
+) -> Classes {
+    Classes {
+        redis_live_but_consumed: live_consumed,
+        redis_missing_but_live: missing,
+        stale_provisional: stale,
+        journal_not_durable: journal,
+        order_inconsistent: orders,
+        expired_purgeable: purge,
+    }
+}
+
+#[tokio::test]
+async fn every_divergence_class_dry_run_then_repair_then_nothing() {
+    // Small batches, so every phase pages.
+    let stores = Stores::fresh().with("reconcile.batch_size = 2");
+    let app = spawn_app_on(stores.clone()).await;
+    let pg = app.pg().await;
+    let mut r = redis_conn().await;
+
+    // Background tokens that are fine and must stay untouched.
+    for i in 0..5 {
+        app.issue(PAYMENTS, "order", &format!("fine-{i}")).await;
+    }
+
+    // A: consumed in Postgres, its Redis key put back to "issued".
+    let a = app.issue(PAYMENTS, "order", "u-a").await;
+    let (s, _, _) = answer(
+        app.consume(
+            PAYMENTS,
+            &a,
+            &json!({"subject": "u-a", "request_id": "r-a"}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let key_a = app.token_key(&a);
+    eventually(5, || {
+        let mut r = r.clone();
+        let key = key_a.clone();
+        async move { (state_of(&mut r, &key).await.as_deref() == Some("c")).then_some(()) }
+    })
+    .await;
+    // B: live and issued, Redis lost its key.
+    let b = app.issue(PAYMENTS, "order", "u-b").await;
+    // C: live and issued, a provisional marker whose owner died long ago.
+    let c = app.issue(PAYMENTS, "order", "u-c").await;
+    // D: a fast token Redis consumed, whose journal entry never reached Postgres.
+    let d = app.issue(PAYMENTS, "like", "u-d").await;
+    token_id(&pg, &b).await;
+    token_id(&pg, &c).await;
+    let d_id = token_id(&pg, &d).await;
+    token_id(&pg, &a).await;
+
+    // Break things (the journal only once no instance runs: its drainer would race us).
+    let _: () = r.hset(&key_a, "s", "i").await.expect("hset");
+    let key_b = app.token_key(&b);
+    let _: () = r.del(&key_b).await.expect("del");
+    let key_c = app.token_key(&c);
+    let _: () = r
+        .hset_multiple(
+            &key_c,
+            &[
+                ("s", "p".to_owned()),
+                ("o", "dead-owner".to_owned()),
+                ("d", (now_ms() - 10_000).to_string()),
+                ("at", (now_ms() - 11_000).to_string()),
+            ],
+        )
+        .await
+        .expect("hset");
+    let key_d = app.token_key(&d);
+    let at_d = now_ms();
+    let _: () = r
+        .hset_multiple(&key_d, &[("s", "c".to_owned()), ("at", at_d.to_string())])
+        .await
+        .expect("hset");
+    let (iat, exp): (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) =
+        sqlx::query_as("SELECT issued_at, expires_at FROM tokens WHERE id = $1")
+            .bind(d_id)
+            .fetch_one(&pg)
+            .await
+            .expect("d row");
+    let journal = format!("{}journal", stores.prefix);
+    let xadd = redis::cmd("XADD")
+        .arg(&journal)
+        .arg("*")
+        .arg(&[
+            ("op", "consume".to_owned()),
+            ("id", d_id.to_string()),
+            ("token", d.clone()),
+            ("biz", "like".to_owned()),
+            ("sub", "u-d".to_owned()),
+            ("cl", "payments".to_owned()),
+            ("iat", iat.timestamp_millis().to_string()),
+            ("exp", exp.timestamp_millis().to_string()),
+            ("rid", "r-d".to_owned()),
+            ("fp", String::new()),
+            ("at", at_d.to_string()),
+        ])
+        .clone();
+
+    // E: orders broken by hand. o-good is consistent and must not be reported.
+    let p1 = app.sign("order", 9_000_001, 1_000, "payments", "u-o");
+    let p2 = app.sign("order", 9_000_002, 1_000, "payments", "u-o");
+    let r1 = app.sign("refund", 9_000_003, 1_000, "payments", "u-o");
+    // Tokens bound to orders are kept past retention (proof of payment).
+    for (id, t, order) in [
+        (9_000_001, &p1, "o-amounts"),
+        (9_000_002, &p2, "o-nopaid"),
+        (9_000_003, &r1, "o-amounts"),
+    ] {
+        insert_token(
+            &pg,
+            id,
+            t,
+            "consumed",
+            "-29 days",
+            Some("-29 days"),
+            Some(order),
+        )
+        .await;
+    }
+    sqlx::query(
+        "INSERT INTO orders (order_id, client, subject, state, amount_minor, refunded_minor, currency)
+         VALUES ('o-good', 'payments', 'u-o', 'CREATED', 1000, 0, 'CNY'),
+                ('o-amounts', 'payments', 'u-o', 'PARTIALLY_REFUNDED', 1000, 300, 'CNY'),
+                ('o-nopaid', 'payments', 'u-o', 'PAID', 1000, 0, 'CNY')",
+    )
+    .execute(&pg)
+    .await
+    .expect("orders");
+    sqlx::query(
+        "INSERT INTO order_events (order_id, kind, token_id, token, amount_minor)
+         VALUES ('o-good', 'order.created', NULL, NULL, 1000),
+                ('o-amounts', 'order.created', NULL, NULL, 1000),
+                ('o-amounts', 'order.paid', 9000001, $1, 1000),
+                ('o-amounts', 'order.refunded', 9000003, $2, 500),
+                ('o-nopaid', 'order.created', NULL, NULL, 1000)",
+    )
+    .bind(&p1)
+    .bind(&r1)
+    .execute(&pg)
+    .await
+    .expect("order events");
+
+    // F: past retention (7 d): consumed 8 days ago and expired, and never
+    // consumed and expired 8 days ago. G: consumed 8 days ago but its own
+    // expiry is still ahead: purging it would make it consumable again.
+    let exp_old = (now_ms() / 1000 - 8 * 86_400) as u32;
+    let exp_future = (now_ms() / 1000 + 86_400) as u32;
+    let f1 = app.sign("order", 9_100_001, exp_old, "payments", "u-old");
+    let f2 = app.sign("order", 9_100_002, exp_old, "payments", "u-old");
+    let g = app.sign("order", 9_100_003, exp_future, "payments", "u-old");
+    insert_token(
+        &pg,
+        9_100_001,
+        &f1,
+        "consumed",
+        "-8 days",
+        Some("-8 days"),
+        None,
+    )
+    .await;
+    insert_token(&pg, 9_100_002, &f2, "issued", "-8 days", None, None).await;
+    insert_token(
+        &pg,
+        9_100_003,
+        &g,
+        "consumed",
+        "1 day",
+        Some("-8 days"),
+        None,
+    )
+    .await;
+    app.stop().await;
+    let _: String = xadd.query_async(&mut r).await.expect("xadd");
+
+    let want = expected(1, 1, 1, 1, 2, 2);
+
+    // Dry run: reports everything, changes nothing.
+    let dry = run(&stores, true).await;
+    assert!(dry.dry_run);
+    assert_eq!(dry.found, want, "{dry:#?}");
+    assert_eq!(dry.repaired, Classes::default());
+    assert!(
+        dry.scanned.tokens >= 10 && dry.scanned.orders == 3,
+        "{:?}",
+        dry.scanned
+    );
+    let ids: Vec<&str> = dry
+        .inconsistent_orders
+        .iter()
+        .map(|o| o.order_id.as_str())
+        .collect();
+    assert_eq!(ids, ["o-amounts", "o-nopaid"]);
+    assert_eq!(state_of(&mut r, &key_a).await.as_deref(), Some("i"));
+    assert_eq!(state_of(&mut r, &key_b).await, None);
+    assert_eq!(state_of(&mut r, &key_c).await.as_deref(), Some("p"));
+    let xlen: u64 = r.xlen(&journal).await.expect("xlen");
+    assert_eq!(xlen, 1);
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM tokens WHERE id IN (9100001, 9100002)")
+            .fetch_one(&pg)
+            .await
+            .expect("count");
+    assert_eq!(rows, 2);
+    let repairs: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM audit_events WHERE kind = 'reconcile.repaired'")
+            .fetch_one(&pg)
+            .await
+            .expect("count");
+    assert_eq!(repairs, 0, "a dry run writes no audit rows");
+
+    // The real run repairs every class but the orders, and reports the same.
+    let real = run(&stores, false).await;
+    assert!(!real.dry_run);
+    assert_eq!(real.found, want, "{real:#?}");
+    assert_eq!(real.repaired, expected(1, 1, 1, 1, 0, 2), "{real:#?}");
+    assert_eq!(real.inconsistent_orders, dry.inconsistent_orders);
+    let problems = &real.inconsistent_orders[0].problems;
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("300") && p.contains("500")),
+        "{problems:?}"
+    );
+    assert!(real.inconsistent_orders[1].problems[0].contains("without an order.paid"));
+
+    assert_eq!(
+        state_of(&mut r, &key_a).await,
+        None,
+        "A: Postgres answers now"
+    );
+    assert_eq!(state_of(&mut r, &key_b).await.as_deref(), Some("i"));
+    let ttl: i64 = r.pttl(&key_b).await.expect("pttl");
+    // The token's expiry is rounded up to a whole second: at most 61 s away.
+    assert!(
+        ttl > 0 && ttl <= 61_000,
+        "B re-seeded with its remaining ttl: {ttl}"
+    );
+    assert_eq!(state_of(&mut r, &key_c).await.as_deref(), Some("i"));
+    let xlen: u64 = r.xlen(&journal).await.expect("xlen");
+    assert_eq!(xlen, 0);
+    let d_state: String = sqlx::query_scalar("SELECT state::text FROM tokens WHERE id = $1")
+        .bind(d_id)
+        .fetch_one(&pg)
+        .await
+        .expect("d");
+    assert_eq!(d_state, "consumed");
+    let left: Vec<i64> = sqlx::query_scalar(
+        "SELECT id FROM tokens WHERE id BETWEEN 9100001 AND 9100003 ORDER BY id",
+    )
+    .fetch_all(&pg)
+    .await
+    .expect("ids");
+    assert_eq!(left, [9_100_003], "only G (not yet expired) is kept");
+    let classes: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT detail->>'class', count(*) FROM audit_events WHERE kind = 'reconcile.repaired'
+          GROUP BY 1 ORDER BY 1",
+    )
+    .fetch_all(&pg)
+    .await
+    .expect("classes");
+    let classes: Vec<(&str, i64)> = classes.iter().map(|(c, n)| (c.as_str(), *n)).collect();
+    assert_eq!(
+        classes,
+        [
+            ("expired_purgeable", 2),
+            ("journal_not_durable", 1),
+            ("redis_live_but_consumed", 1),
+            ("redis_missing_but_live", 1),
+            ("stale_provisional", 1),
+        ]
+    );
+
+    // Right after: nothing left to repair; the orders are still reported.
+    let again = run(&stores, false).await;
+    assert_eq!(again.found, expected(0, 0, 0, 0, 2, 0), "{again:#?}");
+    assert_eq!(again.repaired, Classes::default());
+
+    // The service agrees with the repairs.
+    let app = spawn_app_on(stores.clone()).await;
+    let dup = answer(app.consume(PAYMENTS, &a, &json!({"subject": "u-a"})).await).await;
+    assert_eq!(dup.2["outcome"], "duplicate", "A stays consumed: {dup:?}");
+    for (t, sub) in [(&b, "u-b"), (&c, "u-c")] {
+        let won = answer(app.consume(PAYMENTS, t, &json!({"subject": sub})).await).await;
+        assert_eq!(won.2["outcome"], "consumed", "{won:?}");
+    }
+    let dup = answer(app.consume(PAYMENTS, &d, &json!({"subject": "u-d"})).await).await;
+    assert_eq!(dup.2["outcome"], "duplicate", "D consumed once: {dup:?}");
+    let gone = answer(
+        app.consume(PAYMENTS, &f1, &json!({"subject": "u-old"}))
+            .await,
+    )
+    .await;
+    assert_eq!(
+        (gone.0, gone.2["error"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("token_expired")),
+        "purged after retention: {gone:?}"
+    );
+    let kept = answer(
+        app.consume(PAYMENTS, &g, &json!({"subject": "u-old"}))
+            .await,
+    )
+    .await;
+    assert_eq!(kept.2["outcome"], "duplicate", "never revived: {kept:?}");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn dry_run_and_since_over_http_and_cli_change_nothing() {
+    let app = spawn_app().await;
+    let token = app.issue(PAYMENTS, "order", "u-h").await;
+    let pg = app.pg().await;
+    token_id(&pg, &token).await;
+    let mut r = redis_conn().await;
+    let _: () = r.del(app.token_key(&token)).await.expect("del");
+
+    let resp = app
+        .post(ADMIN, "/v1/admin/reconcile", &json!({"dry_run": true}))
+        .await;
+    let (s, _, body) = answer(resp).await;
+    assert_eq!(s, StatusCode::OK, "{body}");
+    assert_eq!(body["dry_run"], true);
+    assert_eq!(body["found"]["redis_missing_but_live"], 1, "{body}");
+    assert_eq!(body["repaired"]["redis_missing_but_live"], 0);
+    for k in ["started_at", "finished_at"] {
+        chrono::DateTime::parse_from_rfc3339(body[k].as_str().expect(k)).expect(k);
+    }
+    assert_eq!(state_of(&mut r, &app.token_key(&token)).await, None);
+
+    // --since leaves older tokens alone (the window ends before this one).
+    let config = cli_config(&app.stores);
+    let out = cli(&config, &["reconcile", "--dry-run", "--since", "1ms"]).await;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).expect("json report");
+    assert_eq!(report["found"]["redis_missing_but_live"], 0, "{report}");
+
+    let out = cli(&config, &["reconcile", "--dry-run", "--format", "text"]).await;
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("redis_missing_but_live") && text.contains("dry run"),
+        "{text}"
+    );
+    assert_eq!(state_of(&mut r, &app.token_key(&token)).await, None);
+
+    // The reconciler role may run it; the real run over HTTP repairs.
+    let resp = app
+        .post("dev-reconciler-key", "/v1/admin/reconcile", &json!({}))
+        .await;
+    let (s, _, body) = answer(resp).await;
+    assert_eq!(s, StatusCode::OK, "{body}");
+    assert_eq!(body["repaired"]["redis_missing_but_live"], 1, "{body}");
+    assert_eq!(
+        state_of(&mut r, &app.token_key(&token)).await.as_deref(),
+        Some("i")
+    );
+    app.stop().await;
+}
+
+/// Pauses a run at its first phase until told to go on.
+struct Paused {
+    started: mpsc::Sender<()>,
+    go: std::sync::Mutex<mpsc::Receiver<()>>,
+}
+
+impl Progress for Paused {
+    fn phase(&self, _: &'static str, _: Option<u64>) {
+        let _ = self.started.send(());
+        let _ = self.go.lock().expect("lock").recv();
+    }
+    fn advance(&self, _: u64) {}
+}
+
+fn exit_code(out: &Output) -> Option<i32> {
+    out.status.code()
+}
+
+#[tokio::test]
+async fn one_run_at_a_time_across_library_cli_and_http() {
+    let app = spawn_app().await;
+    let stores = app.stores.clone();
+
+    // Run 1 on a thread of its own, paused inside the lock.
+    let (started_tx, started_rx) = mpsc::channel();
+    let (go_tx, go_rx) = mpsc::channel();
+    let first = {
+        let stores = stores.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let (r, pools) = reconciler(&stores);
+                let progress = Paused {
+                    started: started_tx,
+                    go: std::sync::Mutex::new(go_rx),
+                };
+                let out = r
+                    .run(&Options::default(), &progress, &CancellationToken::new())
+                    .await;
+                pools.close().await;
+                out.map(|_| ())
+            })
+        })
+    };
+    tokio::task::spawn_blocking(move || {
+        started_rx.recv_timeout(std::time::Duration::from_secs(30))
+    })
+    .await
+    .expect("join")
+    .expect("the first run started");
+
+    // While it holds the lock: the library says so, the CLI exits 3, HTTP 409.
+    let (second, pools) = reconciler(&stores);
+    let out = second
+        .run(&Options::default(), &Quiet, &CancellationToken::new())
+        .await;
+    assert!(matches!(out, Err(ReconcileError::Running)), "{out:?}");
+    pools.close().await;
+    let config = cli_config(&stores);
+    let out = cli(&config, &["reconcile"]).await;
+    assert_eq!(
+        exit_code(&out),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("another reconcile run"));
+    let (s, _, body) = answer(
+        app.post(ADMIN, "/v1/admin/reconcile", &json!({"dry_run": true}))
+            .await,
+    )
+    .await;
+    assert_eq!(
+        (s, body["error"].as_str()),
+        (StatusCode::CONFLICT, Some("reconcile_running")),
+        "{body}"
+    );
+
+    // Let the first run finish; then the lock is free again.
+    go_tx.send(()).expect("go");
+    for _ in 0..4 {
+        let _ = go_tx.send(()); // one per remaining phase
+    }
+    let first = tokio::task::spawn_blocking(move || first.join())
+        .await
+        .expect("join")
+        .expect("thread");
+    assert!(first.is_ok(), "{first:?}");
+    let out = cli(&config, &["reconcile"]).await;
+    assert_eq!(
+        exit_code(&out),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(report["dry_run"], false);
+
+    // Two library runs at once: exactly one of them runs.
+    let (a, pa) = reconciler(&stores);
+    let (b, pb) = reconciler(&stores);
+    let cancel = CancellationToken::new();
+    let opts = Options::default();
+    let (ra, rb) = tokio::join!(a.run(&opts, &Quiet, &cancel), b.run(&opts, &Quiet, &cancel));
+    let ran = [ra.is_ok(), rb.is_ok()].iter().filter(|x| **x).count();
+    let refused = [&ra, &rb]
+        .iter()
+        .filter(|r| matches!(r, Err(ReconcileError::Running)))
+        .count();
+    // Either they overlapped (one refused) or one finished before the other
+    // took the lock (both ran); never both refused, never an error.
+    assert!(ran >= 1 && ran + refused == 2, "{ra:?} {rb:?}");
+    pa.close().await;
+    pb.close().await;
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn cli_usage_errors_exit_2() {
+    let stores = Stores::fresh();
+    let config = cli_config(&stores);
+    for args in [
+        vec!["reconcile", "--since", "soon"],
+        vec!["reconcile", "--format", "xml"],
+        vec!["audit", "events", "--limit", "1001"],
+        vec!["audit", "events", "--since", "yesterday"],
+        vec!["audit", "events", "--kind", "token.eaten"],
+        vec!["audit", "events", "--format", "yaml"],
+        vec!["audit", "token"],
+    ] {
+        let out = cli(&config, &args).await;
+        assert_eq!(exit_code(&out), Some(2), "{args:?}");
+    }
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idempotency-ledger"))
+        .args(["--config", "/nonexistent/ledger.toml", "reconcile"])
+        .output()
+        .await
+        .expect("runs");
+    assert_eq!(exit_code(&out), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--config"));
+}
+
+/// Cancels the run once `phase` has done `after` items (a Ctrl-C mid-phase).
+struct CancelIn {
+    phase: &'static str,
+    after: u64,
+    cancel: CancellationToken,
+    state: std::sync::Mutex<(&'static str, u64)>,
+}
+
+impl Progress for CancelIn {
+    fn phase(&self, name: &'static str, _: Option<u64>) {
+        *self.state.lock().expect("lock") = (name, 0);
+    }
+    fn advance(&self, n: u64) {
+        let mut s = self.state.lock().expect("lock");
+        s.1 += n;
+        if s.0 == self.phase && s.1 >= self.after {
+            self.cancel.cancel();
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_interrupted_run_stops_between_batches_and_a_rerun_finishes() {
+    let stores = Stores::fresh().with("reconcile.batch_size = 2");
+    let app = spawn_app_on(stores.clone()).await;
+    let pg = app.pg().await;
+    let mut r = redis_conn().await;
+    let mut keys = Vec::new();
+    for i in 0..6 {
+        let t = app.issue(PAYMENTS, "order", &format!("int-{i}")).await;
+        token_id(&pg, &t).await;
+        keys.push(app.token_key(&t));
+    }
+    for k in &keys {
+        let _: () = r.del(k).await.expect("del");
+    }
+
+    let (rec, pools) = reconciler(&stores);
+    let cancel = CancellationToken::new();
+    let progress = CancelIn {
+        phase: "live tokens",
+        after: 1,
+        cancel: cancel.clone(),
+        state: std::sync::Mutex::new(("", 0)),
+    };
+    let first = rec
+        .run(&Options::default(), &progress, &cancel)
+        .await
+        .expect("runs");
+    assert!(first.interrupted, "{first:#?}");
+    assert_eq!(
+        first.repaired.redis_missing_but_live, 2,
+        "one batch, then stop"
+    );
+    assert_eq!(first.found.expired_purgeable, 0, "later phases did not run");
+
+    // The lock went with the interrupted run; the rerun does the rest.
+    let second = rec
+        .run(&Options::default(), &Quiet, &CancellationToken::new())
+        .await
+        .expect("runs");
+    assert!(!second.interrupted);
+    assert_eq!(second.repaired.redis_missing_but_live, 4, "{second:#?}");
+    let third = rec
+        .run(&Options::default(), &Quiet, &CancellationToken::new())
+        .await
+        .expect("runs");
+    assert_eq!(third.found, Classes::default());
+    for k in &keys {
+        assert_eq!(state_of(&mut r, k).await.as_deref(), Some("i"));
+    }
+    pools.close().await;
+    app.stop().await;
+}
