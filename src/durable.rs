@@ -1,8 +1,10 @@
 //! The durable tier: Postgres. Owns the pools and every SQL statement
 //! ([`tokens`] for the token ledger, [`lease`] for snowflake worker ids,
-//! [`setup`] for database creation, migrations and start-up checks).
+//! [`bloom`] for the issued-token filter's channel and load, [`setup`] for
+//! database creation, migrations and start-up checks).
 //! Every hot statement touches one token or one order key.
 
+pub mod bloom;
 pub mod lease;
 pub mod setup;
 pub mod tokens;

@@ -1,9 +1,11 @@
 //! The HTTP surface of API.md: routes ([`tokens`], [`ops`]), extractors
-//! ([`extract`]), the error body ([`error`]) and the generated OpenAPI
-//! description ([`openapi`]). Handlers receive the ledger, never a pool.
+//! ([`extract`]), request limits ([`limits`]), the error body ([`error`]) and
+//! the generated OpenAPI description ([`openapi`]). Handlers receive the
+//! ledger, never a pool.
 
 pub mod error;
 pub mod extract;
+pub mod limits;
 pub mod openapi;
 pub mod ops;
 pub mod tokens;

@@ -1,5 +1,7 @@
-//! Request extractors, in the order API.md checks things: [`Caller`] (401)
-//! first, then [`JsonBody`] (413, 415, 400). Both run before any I/O.
+//! Request extractors, in the order API.md checks things: [`Caller`] (401,
+//! then the client's request ceiling, 429) first, then [`JsonBody`] (413, 415,
+//! 400, including nesting deeper than `limits.max_json_depth`). Both run
+//! before any I/O.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -45,6 +47,21 @@ fn authenticate(req: &HttpRequest) -> Result<Caller, ApiError> {
         .authenticate(key)
         .ok_or_else(ApiError::unauthorized)?;
     req.extensions_mut().insert(client.name.clone());
+    if let Err(wait) = state.clients.admit(client) {
+        state
+            .ledger
+            .metrics()
+            .rate_limited
+            .with_label_values(&["client"])
+            .inc();
+        return Err(ApiError::rate_limited(
+            wait,
+            format!(
+                "client `{}` is over its ceiling of {} requests per second",
+                client.name, client.rate
+            ),
+        ));
+    }
     Ok(Caller(client.clone()))
 }
 
@@ -79,6 +96,10 @@ impl<T: DeserializeOwned + BodyLimit + 'static> FromRequest for JsonBody<T> {
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<usize>().ok());
+        let max_depth = req
+            .app_data::<web::Data<AppState>>()
+            .map(|s| s.ledger.settings().limits.max_json_depth)
+            .unwrap_or(32);
         let mut payload = payload.take();
         Box::pin(async move {
             if declared.is_some_and(|n| n > limit) {
@@ -96,9 +117,65 @@ impl<T: DeserializeOwned + BodyLimit + 'static> FromRequest for JsonBody<T> {
                 }
                 body.extend_from_slice(&chunk);
             }
+            if nesting_exceeds(&body, max_depth) {
+                return Err(ApiError::invalid(format!(
+                    "invalid JSON body: nested deeper than {max_depth} levels"
+                )));
+            }
             serde_json::from_slice::<T>(&body)
                 .map(JsonBody)
                 .map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
         })
+    }
+}
+
+/// Whether arrays and objects in `body` nest deeper than `max`. A linear scan
+/// that skips strings; it runs before the parser, so a deeply nested body
+/// costs one pass over at most the body limit, never a deep recursion.
+pub fn nesting_exceeds(body: &[u8], max: usize) -> bool {
+    let mut depth = 0usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    for &b in body {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max {
+                    return true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::nesting_exceeds;
+
+    #[test]
+    fn nesting() {
+        assert!(!nesting_exceeds(br#"{"a":[1,{"b":2}]}"#, 3));
+        assert!(nesting_exceeds(br#"{"a":[1,{"b":2}]}"#, 2));
+        // Brackets inside strings do not count, escaped quotes do not end them.
+        assert!(!nesting_exceeds(br#"{"a":"[[[[\"[[[["}"#, 1));
+        assert!(nesting_exceeds(br#"{"a":"\\",[[1]]}"#, 2));
+        let deep = format!("{}{}", "[".repeat(33), "]".repeat(33));
+        assert!(nesting_exceeds(deep.as_bytes(), 32));
+        let ok = format!("{}{}", "[".repeat(32), "]".repeat(32));
+        assert!(!nesting_exceeds(ok.as_bytes(), 32));
     }
 }
