@@ -76,7 +76,9 @@ impl Part {
         }
         // `as_slice` is a header followed by the bitmap: the bitmap is the tail.
         let slice = self.bloom.as_slice();
-        let bytes = usize::try_from(bits / 8).unwrap_or(slice.len()).min(slice.len());
+        let bytes = usize::try_from(bits / 8)
+            .unwrap_or(slice.len())
+            .min(slice.len());
         let ones: u64 = slice[slice.len() - bytes..]
             .iter()
             .map(|b| u64::from(b.count_ones()))
@@ -181,7 +183,10 @@ impl IssuedFilter {
                     Ok(bloom) => generation.parts.push(Part { bloom, items: 0 }),
                     Err(e) => {
                         if !self.broken.swap(true, Ordering::Relaxed) {
-                            tracing::error!(error = e, "bloom filter not allocated; every token goes on to the tiers");
+                            tracing::error!(
+                                error = e,
+                                "bloom filter not allocated; every token goes on to the tiers"
+                            );
                         }
                         continue;
                     }
@@ -359,8 +364,8 @@ pub async fn run(
                 Ok(None) | Err(_) => {
                     filter.set_synced(false);
                     tracing::warn!("bloom filter lost its listening connection; unknown tokens go on to the tiers until it is back");
-                    since_ms = (clock.now_ms() - ms(RELOAD_MARGIN))
-                        .max(clock.now_ms() - ms(horizon));
+                    since_ms =
+                        (clock.now_ms() - ms(RELOAD_MARGIN)).max(clock.now_ms() - ms(horizon));
                     break;
                 }
             }
@@ -369,7 +374,11 @@ pub async fn run(
 }
 
 /// Expires generations and refreshes the gauges every few seconds.
-pub async fn maintain(filter: Arc<IssuedFilter>, clock: Arc<dyn Clock>, shutdown: CancellationToken) {
+pub async fn maintain(
+    filter: Arc<IssuedFilter>,
+    clock: Arc<dyn Clock>,
+    shutdown: CancellationToken,
+) {
     if !filter.is_enabled() {
         return;
     }
@@ -445,7 +454,9 @@ mod tests {
         assert_eq!(metrics.bloom_tokens.get(), 5000);
         // Unknown ids of the same window are mostly refused (FP rate ~1 %).
         let refused = (0..1000u16)
-            .filter(|s| f.check(SnowflakeId::from_parts(NOW - 10_000, 2, *s), NOW) == Verdict::Rejected)
+            .filter(|s| {
+                f.check(SnowflakeId::from_parts(NOW - 10_000, 2, *s), NOW) == Verdict::Rejected
+            })
             .count();
         assert!(refused > 950, "{refused}");
         // Past the horizon the generation is dropped and the ids are uncovered.

@@ -231,7 +231,9 @@ impl BloomSettings {
     pub fn max_generations(&self) -> usize {
         let h = self.horizon.as_millis();
         let g = self.generation.as_millis().max(1);
-        usize::try_from(h.div_ceil(g)).unwrap_or(usize::MAX).saturating_add(2)
+        usize::try_from(h.div_ceil(g))
+            .unwrap_or(usize::MAX)
+            .saturating_add(2)
     }
 }
 
@@ -462,7 +464,10 @@ fn is_key_id(id: &str) -> bool {
 impl RawBloom {
     fn validate(self, retention: Duration) -> Result<BloomSettings, ConfigError> {
         if !(self.fp_rate > 0.0 && self.fp_rate < 0.5) {
-            return Err(invalid("bloom.fp_rate", "must be above 0 and below 0.5, e.g. 0.01"));
+            return Err(invalid(
+                "bloom.fp_rate",
+                "must be above 0 and below 0.5, e.g. 0.01",
+            ));
         }
         if !(1_000..=1_000_000_000).contains(&self.capacity) {
             return Err(invalid("bloom.capacity", "must be between 1000 and 10^9"));
@@ -501,7 +506,10 @@ impl RawLimits {
     fn validate(self) -> Result<LimitSettings, ConfigError> {
         let client_rate = parse_rate("limits.client_rate", &self.client_rate)?;
         if !(1024..=131_072).contains(&self.max_uri_bytes) {
-            return Err(invalid("limits.max_uri_bytes", "must be between 1024 and 131072"));
+            return Err(invalid(
+                "limits.max_uri_bytes",
+                "must be between 1024 and 131072",
+            ));
         }
         if !(1024..=131_072).contains(&self.max_header_bytes) {
             return Err(invalid(
@@ -510,12 +518,18 @@ impl RawLimits {
             ));
         }
         if !(2..=128).contains(&self.max_json_depth) {
-            return Err(invalid("limits.max_json_depth", "must be between 2 and 128"));
+            return Err(invalid(
+                "limits.max_json_depth",
+                "must be between 2 and 128",
+            ));
         }
         let request_head_timeout =
             parse_duration("limits.request_head_timeout", &self.request_head_timeout)?;
         if request_head_timeout < Duration::from_millis(100) {
-            return Err(invalid("limits.request_head_timeout", "must be at least 100ms"));
+            return Err(invalid(
+                "limits.request_head_timeout",
+                "must be at least 100ms",
+            ));
         }
         Ok(LimitSettings {
             client_rate,
@@ -687,7 +701,10 @@ impl Raw {
             if min_ttl < Duration::from_secs(1) || min_ttl > ttl || min_ttl.subsec_nanos() != 0 {
                 return Err(invalid(
                     format!("{key}.min_ttl"),
-                    format!("must be whole seconds, at least 1s and at most the ttl ({})", b.ttl),
+                    format!(
+                        "must be whole seconds, at least 1s and at most the ttl ({})",
+                        b.ttl
+                    ),
                 ));
             }
             biz.insert(

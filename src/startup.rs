@@ -123,7 +123,9 @@ impl Application {
             .await
             .is_err()
         {
-            tracing::warn!("bloom filter still loading; unknown tokens go on to the tiers until it is synced");
+            tracing::warn!(
+                "bloom filter still loading; unknown tokens go on to the tiers until it is synced"
+            );
         }
 
         let listener = TcpListener::bind(settings.server.listen)

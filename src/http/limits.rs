@@ -18,12 +18,10 @@ pub async fn guard(
     req: ServiceRequest,
     next: Next<impl MessageBody + 'static>,
 ) -> Result<ServiceResponse<EitherBody<impl MessageBody>>, actix_web::Error> {
-    let limits = req
-        .app_data::<web::Data<AppState>>()
-        .map(|s| {
-            let l = &s.ledger.settings().limits;
-            (l.max_uri_bytes, l.max_header_bytes)
-        });
+    let limits = req.app_data::<web::Data<AppState>>().map(|s| {
+        let l = &s.ledger.settings().limits;
+        (l.max_uri_bytes, l.max_header_bytes)
+    });
     if let Some((max_uri, max_headers)) = limits {
         let uri = req
             .uri()
@@ -45,5 +43,7 @@ pub async fn guard(
             return Ok(req.into_response(resp).map_into_right_body());
         }
     }
-    next.call(req).await.map(ServiceResponse::map_into_left_body)
+    next.call(req)
+        .await
+        .map(ServiceResponse::map_into_left_body)
 }

@@ -8,3 +8,4 @@ mod fleet;
 mod helpers;
 mod issue;
 mod result_release;
+mod security;
