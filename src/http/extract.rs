@@ -165,6 +165,45 @@ pub fn nesting_exceeds(body: &[u8], max: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::nesting_exceeds;
+    use proptest::prelude::*;
+    use serde_json::Value;
+
+    fn depth(v: &Value) -> usize {
+        match v {
+            Value::Array(a) => 1 + a.iter().map(depth).max().unwrap_or(0),
+            Value::Object(o) => 1 + o.values().map(depth).max().unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    fn json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            "[\\[\\]{}\"\\\\a-z]{0,8}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(40, 200, 3, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..3).prop_map(Value::from),
+                prop::collection::btree_map("[\\[{\"a-z]{0,4}", inner, 0..3)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn the_scan_agrees_with_the_parsed_depth(v in json(), max in 1usize..40) {
+            let text = serde_json::to_vec(&v).unwrap();
+            prop_assert_eq!(nesting_exceeds(&text, max), depth(&v) > max);
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(b in prop::collection::vec(any::<u8>(), 0..512)) {
+            let _ = nesting_exceeds(&b, 32);
+        }
+    }
 
     #[test]
     fn nesting() {
