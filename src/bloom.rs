@@ -247,8 +247,12 @@ impl IssuedFilter {
     /// filter, ids held).
     pub fn maintain(&self, now_ms: i64) {
         let oldest = self.window(now_ms.saturating_sub(self.horizon_ms));
-        let mut gens = self.generations.write().unwrap_or_else(|p| p.into_inner());
-        gens.retain(|w, _| *w >= oldest);
+        self.generations
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|w, _| *w >= oldest);
+        // Counting bits takes a moment: under the read lock, so checks go on.
+        let gens = self.generations.read().unwrap_or_else(|p| p.into_inner());
         let (mut fill, mut fp, mut items) = (0.0f64, 0.0f64, 0usize);
         for part in gens.values().flat_map(|g| g.parts.iter()) {
             let f = part.fill_ratio();

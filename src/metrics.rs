@@ -100,7 +100,7 @@ impl Metrics {
         .expect("valid metric");
         let bloom_fill_ratio = Gauge::new(
             "ledger_bloom_fill_ratio",
-            "Fraction of the bloom filter's bits that are set.",
+            "Fraction of bits set in the fullest live bloom filter (refreshed every 5 s).",
         )
         .expect("valid metric");
         let bloom_fp_rate = Gauge::new(
