@@ -653,7 +653,7 @@ async fn the_101st_issue_in_a_second_for_one_subject_is_429() {
     let mut admitted = 100u64;
     let mut refused = None;
     for _ in 0..50 {
-        let wave: Vec<_> = futures_util::future::join_all((0..20).map(|_| issue("hot"))).await;
+        let wave: Vec<_> = futures_util::future::join_all((0..50).map(|_| issue("hot"))).await;
         admitted += wave
             .iter()
             .filter(|(s, _, _)| *s == StatusCode::CREATED)
@@ -667,6 +667,10 @@ async fn the_101st_issue_in_a_second_for_one_subject_is_429() {
     let (status, retry, body) = refused.expect("a refusal");
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
     assert_eq!(body["error"], "rate_limited");
+    assert!(
+        body["message"].as_str().unwrap_or("").contains("subject"),
+        "the per-subject limit, not the client's ceiling: {body}"
+    );
     assert!(retry.is_some_and(|r| r >= 1), "Retry-After {retry:?}");
     // The 101st within the same 10 ms of the burst is refused; later ones only
     // as the bucket refills.
