@@ -1,7 +1,14 @@
 //! Callers and what they may do: clients from `[[clients]]`, identified by the
-//! SHA-256 of their API key, compared in constant time. Keys are never stored
-//! or logged.
+//! SHA-256 of their API key, compared in constant time, each held to its own
+//! request ceiling (governor). Keys are never stored or logged.
 
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use governor::clock::{Clock as _, DefaultClock};
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
@@ -33,6 +40,8 @@ pub struct Client {
     pub role: Role,
     pub key_sha256: [u8; 32],
     pub biz_types: Vec<BizType>,
+    /// Requests per second on every `/v1` route (burst: one second's worth).
+    pub rate: NonZeroU32,
 }
 
 impl std::fmt::Debug for Client {
@@ -41,6 +50,7 @@ impl std::fmt::Debug for Client {
             .field("name", &self.name)
             .field("role", &self.role)
             .field("biz_types", &self.biz_types)
+            .field("rate", &self.rate)
             .finish_non_exhaustive()
     }
 }
@@ -60,15 +70,47 @@ impl Client {
     }
 }
 
-/// The configured clients, looked up by API key.
-#[derive(Debug, Clone)]
+/// The configured clients, looked up by API key, with their rate limiters.
+#[derive(Clone)]
 pub struct Clients {
     clients: Vec<Client>,
+    limiters: Arc<HashMap<String, DefaultDirectRateLimiter>>,
+}
+
+impl std::fmt::Debug for Clients {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Clients")
+            .field("clients", &self.clients)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Clients {
     pub fn new(clients: Vec<Client>) -> Clients {
-        Clients { clients }
+        let limiters = clients
+            .iter()
+            .map(|c| {
+                (
+                    c.name.clone(),
+                    RateLimiter::direct(Quota::per_second(c.rate).allow_burst(c.rate)),
+                )
+            })
+            .collect();
+        Clients {
+            clients,
+            limiters: Arc::new(limiters),
+        }
+    }
+
+    /// Counts one request against `client`'s ceiling: `Err(wait)` when over
+    /// it, with the time until the next request would be admitted.
+    pub fn admit(&self, client: &Client) -> Result<(), Duration> {
+        match self.limiters.get(&client.name) {
+            Some(limiter) => limiter
+                .check()
+                .map_err(|not_until| not_until.wait_time_from(DefaultClock::default().now())),
+            None => Ok(()),
+        }
     }
 
     /// Finds the client whose key hashes to the presented one. Every client is
@@ -97,6 +139,7 @@ mod tests {
             role: Role::Service,
             key_sha256: Sha256::digest(b"secret").into(),
             biz_types: vec![BizType::parse("order").unwrap()],
+            rate: NonZeroU32::new(2).unwrap(),
         }]);
         assert_eq!(
             clients.authenticate(b"secret").map(|c| c.name.as_str()),
@@ -104,5 +147,10 @@ mod tests {
         );
         assert!(clients.authenticate(b"secreT").is_none());
         assert!(clients.authenticate(b"").is_none());
+        let p = clients.authenticate(b"secret").unwrap().clone();
+        assert!(clients.admit(&p).is_ok());
+        assert!(clients.admit(&p).is_ok());
+        let wait = clients.admit(&p).unwrap_err();
+        assert!(wait > Duration::ZERO && wait <= Duration::from_millis(500));
     }
 }

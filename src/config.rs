@@ -77,6 +77,8 @@ struct Raw {
     postgres: RawPostgres,
     redis: RawRedis,
     tokens: RawTokens,
+    bloom: RawBloom,
+    limits: RawLimits,
     #[serde(default)]
     clients: Vec<RawClient>,
     #[serde(default)]
@@ -131,6 +133,27 @@ struct RawTokens {
     issue_buffer: usize,
 }
 
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBloom {
+    enabled: bool,
+    capacity: usize,
+    fp_rate: f64,
+    generation: String,
+    horizon: String,
+    grace: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimits {
+    client_rate: String,
+    max_uri_bytes: usize,
+    max_header_bytes: usize,
+    max_json_depth: usize,
+    request_head_timeout: String,
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawKey {
@@ -152,6 +175,8 @@ struct RawClient {
     key_sha256: String,
     #[serde(default)]
     biz_types: Vec<String>,
+    /// Requests per second on every `/v1` route; default `limits.client_rate`.
+    rate: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -172,6 +197,7 @@ struct RawBiz {
     ttl: String,
     durability: Durability,
     issue_rate: Option<String>,
+    min_ttl: Option<String>,
 }
 
 // ---- typed -----------------------------------------------------------------
@@ -184,9 +210,65 @@ pub struct Settings {
     pub postgres: PostgresSettings,
     pub redis: RedisSettings,
     pub tokens: TokenSettings,
+    pub bloom: BloomSettings,
+    pub limits: LimitSettings,
     pub clients: Vec<Client>,
     pub biz: BTreeMap<BizType, BizSettings>,
     pub reconcile: ReconcileSettings,
+}
+
+/// The filter of issued token ids (see `crate::bloom`).
+#[derive(Debug, Clone)]
+pub struct BloomSettings {
+    /// `false`: every verified token goes on to the tiers (as without a filter).
+    pub enabled: bool,
+    /// Tokens the whole fleet issues in one generation; a generation that
+    /// receives more grows another filter of the same size.
+    pub capacity: usize,
+    /// Target false-positive rate of one filter at `capacity`.
+    pub fp_rate: f64,
+    /// The time window of one generation (by the snowflake id's timestamp).
+    pub generation: Duration,
+    /// How far back the filter covers; older tokens go on to the tiers.
+    /// Never more than `tokens.retention`.
+    pub horizon: Duration,
+    /// Propagation delay plus clock skew: an unknown token whose id is younger
+    /// than this goes on to the tiers instead of being refused.
+    pub grace: Duration,
+}
+
+impl BloomSettings {
+    /// Bytes of one filter at `capacity` and `fp_rate`:
+    /// `capacity * -ln(p) / (8 * ln(2)^2)`.
+    pub fn bytes_per_filter(&self) -> usize {
+        let ln2 = std::f64::consts::LN_2;
+        ((self.capacity as f64) * -self.fp_rate.ln() / (8.0 * ln2 * ln2)).ceil() as usize
+    }
+
+    /// How many generations can be alive at once: the horizon, the current
+    /// window, and one window ahead for peers whose clocks run early.
+    pub fn max_generations(&self) -> usize {
+        let h = self.horizon.as_millis();
+        let g = self.generation.as_millis().max(1);
+        usize::try_from(h.div_ceil(g))
+            .unwrap_or(usize::MAX)
+            .saturating_add(2)
+    }
+}
+
+/// Request limits checked before any I/O.
+#[derive(Debug, Clone)]
+pub struct LimitSettings {
+    /// Default per-client ceiling (requests per second, burst one second's worth).
+    pub client_rate: NonZeroU32,
+    /// Longest path plus query string; longer: 414 `uri_too_long`.
+    pub max_uri_bytes: usize,
+    /// Largest total of header names and values; larger: 431 `headers_too_large`.
+    pub max_header_bytes: usize,
+    /// Deepest nesting of arrays and objects in a request body; deeper: 400.
+    pub max_json_depth: usize,
+    /// Time a client has to send its request head (actix `client_request_timeout`).
+    pub request_head_timeout: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -269,6 +351,8 @@ pub struct BizSettings {
     pub durability: Durability,
     /// Issues per second per (client, subject); `None`: unlimited.
     pub issue_rate: Option<NonZeroU32>,
+    /// The shortest lifetime a caller may ask for (`ttl_seconds`); at most `ttl`.
+    pub min_ttl: Duration,
 }
 
 /// Development secrets shipped in the default config; refused in production.
@@ -409,6 +493,86 @@ fn parse_rate(key: &str, text: &str) -> Result<NonZeroU32, ConfigError> {
 
 fn is_key_id(id: &str) -> bool {
     (1..=16).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+}
+
+impl RawBloom {
+    fn validate(self, retention: Duration) -> Result<BloomSettings, ConfigError> {
+        if !(self.fp_rate > 0.0 && self.fp_rate < 0.5) {
+            return Err(invalid(
+                "bloom.fp_rate",
+                "must be above 0 and below 0.5, e.g. 0.01",
+            ));
+        }
+        if !(1_000..=1_000_000_000).contains(&self.capacity) {
+            return Err(invalid("bloom.capacity", "must be between 1000 and 10^9"));
+        }
+        let generation = parse_duration("bloom.generation", &self.generation)?;
+        if generation < Duration::from_secs(1) {
+            return Err(invalid("bloom.generation", "must be at least 1s"));
+        }
+        // Tokens older than the retention have no record left to answer for
+        // them, so covering them would only turn `token_expired` into
+        // `token_invalid`.
+        let horizon = parse_duration("bloom.horizon", &self.horizon)?.min(retention);
+        let grace = parse_duration("bloom.grace", &self.grace)?;
+        if grace >= horizon {
+            return Err(invalid("bloom.grace", "must be shorter than bloom.horizon"));
+        }
+        let settings = BloomSettings {
+            enabled: self.enabled,
+            capacity: self.capacity,
+            fp_rate: self.fp_rate,
+            generation,
+            horizon,
+            grace,
+        };
+        if settings.max_generations() > 10_000 {
+            return Err(invalid(
+                "bloom.generation",
+                "too short for bloom.horizon: more than 10000 generations",
+            ));
+        }
+        Ok(settings)
+    }
+}
+
+impl RawLimits {
+    fn validate(self) -> Result<LimitSettings, ConfigError> {
+        let client_rate = parse_rate("limits.client_rate", &self.client_rate)?;
+        if !(1024..=131_072).contains(&self.max_uri_bytes) {
+            return Err(invalid(
+                "limits.max_uri_bytes",
+                "must be between 1024 and 131072",
+            ));
+        }
+        if !(1024..=131_072).contains(&self.max_header_bytes) {
+            return Err(invalid(
+                "limits.max_header_bytes",
+                "must be between 1024 and 131072 (actix refuses request heads above 128 KiB anyway)",
+            ));
+        }
+        if !(2..=128).contains(&self.max_json_depth) {
+            return Err(invalid(
+                "limits.max_json_depth",
+                "must be between 2 and 128",
+            ));
+        }
+        let request_head_timeout =
+            parse_duration("limits.request_head_timeout", &self.request_head_timeout)?;
+        if request_head_timeout < Duration::from_millis(100) {
+            return Err(invalid(
+                "limits.request_head_timeout",
+                "must be at least 100ms",
+            ));
+        }
+        Ok(LimitSettings {
+            client_rate,
+            max_uri_bytes: self.max_uri_bytes,
+            max_header_bytes: self.max_header_bytes,
+            max_json_depth: self.max_json_depth,
+            request_head_timeout,
+        })
+    }
 }
 
 impl Raw {
@@ -560,6 +724,8 @@ impl Raw {
         if tokens.worker_lease_ttl < Duration::from_secs(3) {
             return Err(invalid("tokens.worker_lease_ttl", "must be at least 3s"));
         }
+        let bloom = self.bloom.validate(tokens.retention)?;
+        let limits = self.limits.validate()?;
 
         let mut biz = BTreeMap::new();
         for (name, b) in self.biz {
@@ -575,12 +741,26 @@ impl Raw {
                 .as_deref()
                 .map(|r| parse_rate(&format!("{key}.issue_rate"), r))
                 .transpose()?;
+            let min_ttl = match b.min_ttl.as_deref() {
+                Some(t) => parse_duration(&format!("{key}.min_ttl"), t)?,
+                None => Duration::from_secs(1),
+            };
+            if min_ttl < Duration::from_secs(1) || min_ttl > ttl || min_ttl.subsec_nanos() != 0 {
+                return Err(invalid(
+                    format!("{key}.min_ttl"),
+                    format!(
+                        "must be whole seconds, at least 1s and at most the ttl ({})",
+                        b.ttl
+                    ),
+                ));
+            }
             biz.insert(
                 biz_type,
                 BizSettings {
                     ttl,
                     durability: b.durability,
                     issue_rate,
+                    min_ttl,
                 },
             );
         }
@@ -620,11 +800,16 @@ impl Raw {
                 }
                 grants.push(bt);
             }
+            let rate = match c.rate.as_deref() {
+                Some(r) => parse_rate(&format!("{key}.rate"), r)?,
+                None => limits.client_rate,
+            };
             clients.push(Client {
                 name: c.name,
                 role: c.role,
                 key_sha256: hash,
                 biz_types: grants,
+                rate,
             });
         }
 
@@ -640,6 +825,8 @@ impl Raw {
             postgres,
             redis,
             tokens,
+            bloom,
+            limits,
             clients,
             biz,
             reconcile: ReconcileSettings {

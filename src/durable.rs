@@ -1,10 +1,12 @@
 //! The durable tier: Postgres. Owns the pools and every SQL statement
 //! ([`tokens`] for the token ledger, [`lease`] for snowflake worker ids,
 //! [`setup`] for database creation, migrations and start-up checks,
-//! [`admin`] for audit queries and stats, [`reconcile`] for reconciliation).
+//! [`admin`] for audit queries and stats, [`reconcile`] for reconciliation,
+//! [`bloom`] for the issued-token filter's channel and load).
 //! Every hot statement touches one token or one order key.
 
 pub mod admin;
+pub mod bloom;
 pub mod lease;
 pub mod orders;
 pub mod reconcile;

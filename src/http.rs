@@ -1,10 +1,12 @@
-//! The HTTP surface of API.md: routes ([`tokens`], [`orders`], [`admin`], [`ops`]), extractors
-//! ([`extract`]), the error body ([`error`]) and the generated OpenAPI
-//! description ([`openapi`]). Handlers receive the ledger, never a pool.
+//! The HTTP surface of API.md: routes ([`tokens`], [`orders`], [`admin`], [`ops`]),
+//! extractors ([`extract`]), request limits ([`limits`]), the error body
+//! ([`error`]) and the generated OpenAPI description ([`openapi`]). Handlers
+//! receive the ledger, never a pool.
 
 pub mod admin;
 pub mod error;
 pub mod extract;
+pub mod limits;
 pub mod openapi;
 pub mod ops;
 pub mod orders;

@@ -1,7 +1,8 @@
 //! The ledger: issue, consume, result and release. The only module that talks
 //! to both tiers, and so the one that owns the consume protocol:
 //!
-//! 1. verify the token (tag, binding, biz type): no I/O;
+//! 1. verify the token (tag, binding, biz type) and ask the fleet's filter of
+//!    issued ids ([`crate::bloom`]) whether it was ever issued: no I/O;
 //! 2. Redis, one script: a consumed marker answers `duplicate` at once; for a
 //!    durable type an unconsumed token gets a provisional marker (ours, with a
 //!    deadline) and Postgres decides; for a fast type Redis decides;
@@ -27,6 +28,7 @@ use governor::{DefaultDirectRateLimiter, DefaultKeyedRateLimiter, Quota, RateLim
 use serde_json::Value as Json;
 
 use crate::auth::Client;
+use crate::bloom::{IssuedFilter, Verdict};
 use crate::config::{BizSettings, Durability, Settings};
 use crate::domain::{BizType, Fingerprint, RequestId, Subject};
 use crate::durable::tokens::{
@@ -228,6 +230,7 @@ pub struct Ledger {
     limiters: HashMap<BizType, DefaultKeyedRateLimiter<(String, String)>>,
     resync: Arc<Mutex<VecDeque<Resync>>>,
     fallback: Fallback,
+    bloom: Arc<IssuedFilter>,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -265,6 +268,7 @@ impl Ledger {
                 })
             })
             .collect();
+        let bloom = Arc::new(IssuedFilter::new(settings.bloom.clone(), metrics.clone()));
         let fallback = Fallback {
             consumed: moka::sync::Cache::builder()
                 .max_capacity(settings.redis.fallback_capacity)
@@ -281,6 +285,7 @@ impl Ledger {
         };
         Ledger {
             fallback,
+            bloom,
             codec: TokenCodec::new(settings.tokens.signing_keys.clone()),
             settings,
             clock,
@@ -308,6 +313,10 @@ impl Ledger {
     }
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
+    }
+    /// The fleet-wide filter of issued token ids.
+    pub fn bloom(&self) -> &Arc<IssuedFilter> {
+        &self.bloom
     }
     pub fn worker_id(&self) -> u16 {
         self.lease.worker_id()
@@ -346,12 +355,15 @@ impl Ledger {
     ) -> Result<Issued, LedgerError> {
         let settings = self.biz_settings_for(caller, biz)?;
         let max_ttl = settings.ttl.as_secs().max(1);
+        // The floor keeps callers from minting tokens that die before use
+        // (config validation keeps it between 1 s and the ttl).
+        let min_ttl = settings.min_ttl.as_secs().clamp(1, max_ttl);
         let ttl = match ttl_seconds {
             None => max_ttl,
-            Some(t) if (1..=max_ttl).contains(&t) => t,
+            Some(t) if (min_ttl..=max_ttl).contains(&t) => t,
             Some(_) => {
                 return Err(LedgerError::InvalidRequest(format!(
-                    "`ttl_seconds` must be between 1 and {max_ttl} for biz type `{biz}`"
+                    "`ttl_seconds` must be between {min_ttl} and {max_ttl} for biz type `{biz}`"
                 )))
             }
         };
@@ -359,6 +371,10 @@ impl Ledger {
             if let Err(not_until) =
                 limiter.check_key(&(caller.name.clone(), subject.as_str().to_owned()))
             {
+                self.metrics
+                    .rate_limited
+                    .with_label_values(&["issue"])
+                    .inc();
                 let wait = not_until.wait_time_from(DefaultClock::default().now());
                 return Err(LedgerError::RateLimited {
                     retry_after_secs: wait.as_secs_f64().ceil().max(1.0) as u64,
@@ -374,6 +390,9 @@ impl Ledger {
                 source: None,
             })?;
         let now_ms = self.clock.now_ms();
+        // Known to this instance's filter before anyone can present it; the
+        // fleet hears of it when the issuance record commits.
+        self.bloom.insert(id, now_ms);
         // Whole seconds in the token, rounded up: the token never lives less than asked.
         let exp_secs = (now_ms + ms(Duration::from_secs(ttl)) + 999) / 1000;
         let claims = Claims {
@@ -436,7 +455,8 @@ impl Ledger {
     // ---- shared checks ----------------------------------------------------
 
     /// Verifies a presented token for `caller` and `subject`: the checks of
-    /// API.md in their order (token, biz known, biz granted, binding).
+    /// API.md in their order (token: tag, then whether the fleet issued it;
+    /// biz known, biz granted, binding). No I/O.
     pub fn authorize(
         &self,
         caller: &Client,
@@ -445,6 +465,7 @@ impl Ledger {
         biz_type: Option<&BizType>,
     ) -> Result<(VerifiedToken, &BizSettings), LedgerError> {
         let token = self.verify(text)?;
+        self.issued_by_fleet(&token)?;
         let settings = self.biz_settings_for(caller, &token.claims.biz_type)?;
         if !self
             .codec
@@ -461,20 +482,35 @@ impl Ledger {
     pub fn verify(&self, text: &str) -> Result<VerifiedToken, LedgerError> {
         self.codec.verify(text).map_err(|e: TokenError| {
             let prefix = text.split('_').next().unwrap_or("");
-            let biz = BizType::parse(prefix)
-                .ok()
-                .filter(|b| self.settings.biz.contains_key(b));
-            let label = biz.as_ref().map(BizType::as_str).unwrap_or("unknown");
-            self.metrics
-                .consume_total
-                .with_label_values(&[label, "invalid"])
-                .inc();
-            if let Some(b) = &biz {
-                self.metrics.stat(b.as_str(), Stat::Invalid);
-            }
+            self.count_invalid(BizType::parse(prefix).ok().as_ref());
             tracing::debug!(reason = %e, "token refused");
             LedgerError::TokenInvalid
         })
+    }
+
+    /// Refuses a verified token that the fleet's filter says was never
+    /// issued (a valid tag under a leaked key, say). No I/O.
+    pub fn issued_by_fleet(&self, token: &VerifiedToken) -> Result<(), LedgerError> {
+        match self.bloom.check(token.claims.id, self.clock.now_ms()) {
+            Verdict::Rejected => {
+                self.count_invalid(Some(&token.claims.biz_type));
+                tracing::debug!(token = %token.redacted(), "token refused: never issued by this fleet");
+                Err(LedgerError::TokenInvalid)
+            }
+            Verdict::Known | Verdict::Young | Verdict::Uncovered => Ok(()),
+        }
+    }
+
+    fn count_invalid(&self, biz: Option<&BizType>) {
+        let biz = biz.filter(|b| self.settings.biz.contains_key(*b));
+        let label = biz.map(BizType::as_str).unwrap_or("unknown");
+        self.metrics
+            .consume_total
+            .with_label_values(&[label, "invalid"])
+            .inc();
+        if let Some(b) = biz {
+            self.metrics.stat(b.as_str(), Stat::Invalid);
+        }
     }
 
     /// The row a consume of `token` writes.

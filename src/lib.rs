@@ -7,6 +7,7 @@
 //! - [`domain`]: validated request values (biz type, subject, fingerprint, ...).
 //! - [`auth`]: clients, roles, API keys (hashed, compared in constant time).
 //! - [`token`]: the token codec, HMAC tags, snowflake ids, the clock. Pure.
+//! - [`bloom`]: the fleet-wide filter of issued token ids (forgeries refused without I/O).
 //! - [`lease`]: the snowflake worker id this instance holds.
 //! - [`fast`]: the Redis tier and its Lua scripts.
 //! - [`health`]: Redis's breaker, latency window and the mode (normal, degraded, redis_down).
@@ -25,6 +26,7 @@
 
 pub mod admin;
 pub mod auth;
+pub mod bloom;
 pub mod cli;
 pub mod config;
 pub mod domain;

@@ -36,6 +36,11 @@ pub struct Metrics {
     pub tier_duration: HistogramVec,
     pub mode: GaugeVec,
     pub bloom_fill_ratio: Gauge,
+    pub bloom_fp_rate: Gauge,
+    pub bloom_tokens: IntGauge,
+    pub bloom_synced: IntGauge,
+    pub bloom_checks: IntCounterVec,
+    pub rate_limited: IntCounterVec,
     pub fast_tier_total: IntCounterVec,
     pub redis_eviction_unsafe: IntGauge,
     pub issue_buffer_depth: IntGauge,
@@ -98,7 +103,38 @@ impl Metrics {
         .expect("valid metric");
         let bloom_fill_ratio = Gauge::new(
             "ledger_bloom_fill_ratio",
-            "Fraction of the bloom filter's bits that are set.",
+            "Fraction of bits set in the fullest live bloom filter (refreshed every 5 s).",
+        )
+        .expect("valid metric");
+        let bloom_fp_rate = Gauge::new(
+            "ledger_bloom_false_positive_rate",
+            "Estimated false-positive rate of the fullest bloom filter (fill ratio ^ hash functions): the share of forged tokens let through to the tiers.",
+        )
+        .expect("valid metric");
+        let bloom_tokens = IntGauge::new(
+            "ledger_bloom_tokens",
+            "Token ids held by the bloom filter's live generations.",
+        )
+        .expect("valid metric");
+        let bloom_synced = IntGauge::new(
+            "ledger_bloom_synced",
+            "1 while the bloom filter hears every issuance (listening and loaded); 0: unknown tokens go on to the tiers.",
+        )
+        .expect("valid metric");
+        let bloom_checks = IntCounterVec::new(
+            Opts::new(
+                "ledger_bloom_checks_total",
+                "Bloom filter checks of verified tokens by verdict: known, young (unknown but within the grace), uncovered (older than the horizon, or the filter not synced), rejected (never issued: 400 token_invalid without I/O).",
+            ),
+            &["verdict"],
+        )
+        .expect("valid metric");
+        let rate_limited = IntCounterVec::new(
+            Opts::new(
+                "ledger_rate_limited_total",
+                "Requests answered 429: scope client (the per-client ceiling) or issue (per client and subject).",
+            ),
+            &["scope"],
         )
         .expect("valid metric");
         let fast_tier_total = IntCounterVec::new(
@@ -144,6 +180,11 @@ impl Metrics {
             Box::new(tier_duration.clone()),
             Box::new(mode.clone()),
             Box::new(bloom_fill_ratio.clone()),
+            Box::new(bloom_fp_rate.clone()),
+            Box::new(bloom_tokens.clone()),
+            Box::new(bloom_synced.clone()),
+            Box::new(bloom_checks.clone()),
+            Box::new(rate_limited.clone()),
             Box::new(fast_tier_total.clone()),
             Box::new(redis_eviction_unsafe.clone()),
             Box::new(issue_buffer_depth.clone()),
@@ -163,6 +204,12 @@ impl Metrics {
         for r in ["degraded_sample", "down", "memory"] {
             redis_bypass.with_label_values(&[r]);
         }
+        for v in ["known", "young", "uncovered", "rejected"] {
+            bloom_checks.with_label_values(&[v]);
+        }
+        for s in ["client", "issue"] {
+            rate_limited.with_label_values(&[s]);
+        }
         Metrics {
             registry,
             tokens_issued,
@@ -171,6 +218,11 @@ impl Metrics {
             tier_duration,
             mode,
             bloom_fill_ratio,
+            bloom_fp_rate,
+            bloom_tokens,
+            bloom_synced,
+            bloom_checks,
+            rate_limited,
             fast_tier_total,
             redis_eviction_unsafe,
             issue_buffer_depth,

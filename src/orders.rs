@@ -399,6 +399,7 @@ impl<'a> Orders<'a> {
         let ledger = self.ledger;
         // No I/O: tag, biz type known and granted, durable.
         let token = ledger.verify(&input.token)?;
+        ledger.issued_by_fleet(&token)?;
         let biz = token.claims.biz_type.clone();
         let settings = ledger.biz_settings_for(caller, &biz)?;
         if settings.durability != Durability::Durable {

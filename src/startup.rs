@@ -23,7 +23,7 @@ use crate::lease::WorkerLease;
 use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::token::{Clock, SystemClock};
-use crate::{journal, writer};
+use crate::{bloom, journal, writer};
 
 #[derive(Debug, Clone, Copy)]
 pub struct BuildOptions {
@@ -83,7 +83,7 @@ impl Application {
         );
         let ledger = Arc::new(Ledger::new(
             settings.clone(),
-            clock,
+            clock.clone(),
             lease.clone(),
             fast.clone(),
             pools.clone(),
@@ -95,7 +95,7 @@ impl Application {
         let writer_task = tokio::spawn(writer_rx.run(shutdown.clone()));
         let lease_task = tokio::spawn(lease.clone().run(pools.hot.clone(), shutdown.clone()));
         let consumer = format!("worker-{}", lease.worker_id());
-        let tasks = vec![
+        let mut tasks = vec![
             tokio::spawn(journal::run(
                 fast.clone(),
                 pools.hot.clone(),
@@ -104,6 +104,30 @@ impl Application {
             )),
             tokio::spawn(watch_redis(ledger.clone(), shutdown.clone())),
         ];
+        // The issued-token filter: listen, load, then keep listening. Start-up
+        // waits for the first load (bounded): until then it fails open.
+        let (bloom_ready, bloom_loaded) = tokio::sync::oneshot::channel();
+        tasks.push(tokio::spawn(bloom::run(
+            ledger.bloom().clone(),
+            settings.postgres.clone(),
+            pools.clone(),
+            clock.clone(),
+            shutdown.clone(),
+            bloom_ready,
+        )));
+        tasks.push(tokio::spawn(bloom::maintain(
+            ledger.bloom().clone(),
+            clock,
+            shutdown.clone(),
+        )));
+        if tokio::time::timeout(Duration::from_secs(60), bloom_loaded)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "bloom filter still loading; unknown tokens go on to the tiers until it is synced"
+            );
+        }
 
         let listener = TcpListener::bind(settings.server.listen)
             .with_context(|| format!("binding {}", settings.server.listen))?;
@@ -115,10 +139,12 @@ impl Application {
         let mut server = HttpServer::new(move || {
             App::new()
                 .app_data(state.clone())
+                .wrap(middleware::from_fn(http::limits::guard))
                 .wrap(middleware::from_fn(http::observe))
                 .configure(http::routes)
         })
         .shutdown_timeout(settings.server.shutdown_timeout.as_secs().max(1))
+        .client_request_timeout(settings.limits.request_head_timeout)
         .max_connection_rate(1024);
         if let Some(w) = settings.server.workers {
             server = server.workers(w);

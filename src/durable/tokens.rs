@@ -228,7 +228,9 @@ pub async fn release(pool: &PgPool, id: i64) -> Result<ReleaseRow, DurableError>
     })
 }
 
-/// Writes a batch of issuance records and their `token.issued` audit rows.
+/// Writes a batch of issuance records and their `token.issued` audit rows,
+/// and announces the ids on [`super::bloom::CHANNEL`] in the same statement
+/// (so the fleet's filters hear of exactly the records that committed).
 /// Idempotent: a token a consume already inserted keeps its row, and each
 /// token gets one `token.issued` event however often the batch is retried.
 pub async fn insert_issued(pool: &PgPool, batch: &[TokenRecord]) -> Result<(), DurableError> {
@@ -263,12 +265,14 @@ pub async fn insert_issued(pool: &PgPool, batch: &[TokenRecord]) -> Result<(), D
             INSERT INTO tokens (id, token, biz_type, durability, subject, client, issued_at, expires_at)
             SELECT id, token, biz_type, durability::durability, subject, client, issued_at, expires_at FROM r
             ON CONFLICT (id) DO NOTHING
+        ), aud AS (
+            INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, client, detail)
+            SELECT issued_at, 'token.issued', id, token, subject, biz_type, client,
+                   jsonb_build_object('expires_at', expires_at, 'durability', durability)
+              FROM r
+            ON CONFLICT (token_id) WHERE kind = 'token.issued' DO NOTHING
         )
-        INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, client, detail)
-        SELECT issued_at, 'token.issued', id, token, subject, biz_type, client,
-               jsonb_build_object('expires_at', expires_at, 'durability', durability)
-          FROM r
-        ON CONFLICT (token_id) WHERE kind = 'token.issued' DO NOTHING
+        SELECT pg_notify($9, p) FROM UNNEST($10::text[]) AS p
         "#,
     )
     .bind(&ids)
@@ -279,6 +283,8 @@ pub async fn insert_issued(pool: &PgPool, batch: &[TokenRecord]) -> Result<(), D
     .bind(&clients)
     .bind(&issued)
     .bind(&expires)
+    .bind(super::bloom::CHANNEL)
+    .bind(super::bloom::encode(&ids))
     .execute(pool)
     .await?;
     Ok(())

@@ -86,6 +86,28 @@ impl ApiError {
             "request bodies must be application/json",
         )
     }
+    /// 429 `rate_limited`, with `Retry-After` in whole seconds (at least 1).
+    pub fn rate_limited(wait: std::time::Duration, message: impl Into<String>) -> ApiError {
+        let mut err = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limited", message);
+        err.retry_after = Some(wait.as_secs_f64().ceil().max(1.0) as u64);
+        err
+    }
+    /// 414 `uri_too_long`
+    pub fn uri_too_long(limit: usize) -> ApiError {
+        ApiError::new(
+            StatusCode::URI_TOO_LONG,
+            "uri_too_long",
+            format!("path and query longer than {limit} bytes"),
+        )
+    }
+    /// 431 `headers_too_large`
+    pub fn headers_too_large(limit: usize) -> ApiError {
+        ApiError::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "headers_too_large",
+            format!("request headers larger than {limit} bytes"),
+        )
+    }
     /// 400 `token_invalid`
     pub fn token_invalid() -> ApiError {
         LedgerError::TokenInvalid.into()

@@ -1,5 +1,7 @@
-//! Request extractors, in the order API.md checks things: [`Caller`] (401)
-//! first, then [`JsonBody`] (413, 415, 400). Both run before any I/O.
+//! Request extractors, in the order API.md checks things: [`Caller`] (401,
+//! then the client's request ceiling, 429) first, then [`JsonBody`] (413, 415,
+//! 400, including nesting deeper than `limits.max_json_depth`). Both run
+//! before any I/O.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -45,6 +47,21 @@ fn authenticate(req: &HttpRequest) -> Result<Caller, ApiError> {
         .authenticate(key)
         .ok_or_else(ApiError::unauthorized)?;
     req.extensions_mut().insert(client.name.clone());
+    if let Err(wait) = state.clients.admit(client) {
+        state
+            .ledger
+            .metrics()
+            .rate_limited
+            .with_label_values(&["client"])
+            .inc();
+        return Err(ApiError::rate_limited(
+            wait,
+            format!(
+                "client `{}` is over its ceiling of {} requests per second",
+                client.name, client.rate
+            ),
+        ));
+    }
     Ok(Caller(client.clone()))
 }
 
@@ -79,6 +96,10 @@ impl<T: DeserializeOwned + BodyLimit + 'static> FromRequest for JsonBody<T> {
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<usize>().ok());
+        let max_depth = req
+            .app_data::<web::Data<AppState>>()
+            .map(|s| s.ledger.settings().limits.max_json_depth)
+            .unwrap_or(32);
         let mut payload = payload.take();
         Box::pin(async move {
             if declared.is_some_and(|n| n > limit) {
@@ -96,9 +117,104 @@ impl<T: DeserializeOwned + BodyLimit + 'static> FromRequest for JsonBody<T> {
                 }
                 body.extend_from_slice(&chunk);
             }
+            if nesting_exceeds(&body, max_depth) {
+                return Err(ApiError::invalid(format!(
+                    "invalid JSON body: nested deeper than {max_depth} levels"
+                )));
+            }
             serde_json::from_slice::<T>(&body)
                 .map(JsonBody)
                 .map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
         })
+    }
+}
+
+/// Whether arrays and objects in `body` nest deeper than `max`. A linear scan
+/// that skips strings; it runs before the parser, so a deeply nested body
+/// costs one pass over at most the body limit, never a deep recursion.
+pub fn nesting_exceeds(body: &[u8], max: usize) -> bool {
+    let mut depth = 0usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    for &b in body {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max {
+                    return true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::nesting_exceeds;
+    use proptest::prelude::*;
+    use serde_json::Value;
+
+    fn depth(v: &Value) -> usize {
+        match v {
+            Value::Array(a) => 1 + a.iter().map(depth).max().unwrap_or(0),
+            Value::Object(o) => 1 + o.values().map(depth).max().unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    fn json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            "[\\[\\]{}\"\\\\a-z]{0,8}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(40, 200, 3, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..3).prop_map(Value::from),
+                prop::collection::btree_map("[\\[{\"a-z]{0,4}", inner, 0..3)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn the_scan_agrees_with_the_parsed_depth(v in json(), max in 1usize..40) {
+            let text = serde_json::to_vec(&v).unwrap();
+            prop_assert_eq!(nesting_exceeds(&text, max), depth(&v) > max);
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(b in prop::collection::vec(any::<u8>(), 0..512)) {
+            let _ = nesting_exceeds(&b, 32);
+        }
+    }
+
+    #[test]
+    fn nesting() {
+        assert!(!nesting_exceeds(br#"{"a":[1,{"b":2}]}"#, 3));
+        assert!(nesting_exceeds(br#"{"a":[1,{"b":2}]}"#, 2));
+        // Brackets inside strings do not count, escaped quotes do not end them.
+        assert!(!nesting_exceeds(br#"{"a":"[[[[\"[[[["}"#, 1));
+        assert!(nesting_exceeds(br#"{"a":"\\",[[1]]}"#, 2));
+        let deep = format!("{}{}", "[".repeat(33), "]".repeat(33));
+        assert!(nesting_exceeds(deep.as_bytes(), 32));
+        let ok = format!("{}{}", "[".repeat(32), "]".repeat(32));
+        assert!(!nesting_exceeds(ok.as_bytes(), 32));
     }
 }

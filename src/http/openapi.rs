@@ -9,7 +9,7 @@ use super::{admin, ops, orders, tokens, ErrorBody};
 #[openapi(
     info(
         title = "idempotency-ledger",
-        description = "Exactly-once tokens for payment-grade requests. Errors are always {\"error\": code, \"message\": text}. Checks apply in this order: authentication (401), request shape (413, 415, 400), token validity (400 token_invalid), biz type known (422), biz type granted (403), then the operation. Answers that repeat an earlier one carry `Idempotent-Replayed: true`."
+        description = "Exactly-once tokens for payment-grade requests. Errors are always {\"error\": code, \"message\": text}. Checks apply in this order: request limits (414, 431), authentication (401), the client's request ceiling (429 rate_limited with Retry-After), request shape (413, 415, 400; JSON nested deeper than 32 is 400), token validity (400 token_invalid: a bad tag, or a token the fleet never issued), biz type known (422), biz type granted (403), then the operation. Answers that repeat an earlier one carry `Idempotent-Replayed: true`."
     ),
     paths(
         tokens::issue, tokens::generate, tokens::consume, tokens::result, tokens::release,

@@ -67,7 +67,7 @@ pub struct IssueResponse {
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: biz type not granted", body = super::ErrorBody),
         (status = 422, description = "unknown_biz_type", body = super::ErrorBody),
-        (status = 429, description = "rate_limited (with Retry-After)", body = super::ErrorBody),
+        (status = 429, description = "rate_limited (with Retry-After): per (client, subject) and biz type, or over the client's ceiling", body = super::ErrorBody),
         (status = 503, description = "unavailable (durable types while Postgres is down)", body = super::ErrorBody),
     ))]
 pub async fn issue(
@@ -253,6 +253,7 @@ pub fn consume_response(token: &str, answer: ConsumeAnswer) -> HttpResponse {
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden, token_mismatch", body = super::ErrorBody),
         (status = 422, description = "fingerprint_mismatch, unknown_biz_type", body = super::ErrorBody),
+        (status = 429, description = "rate_limited: over the client's ceiling (with Retry-After)", body = super::ErrorBody),
         (status = 503, description = "unavailable (with Retry-After); nothing changed", body = super::ErrorBody),
     ))]
 pub async fn consume(
@@ -295,6 +296,7 @@ pub struct OutcomeResponse {
         (status = 403, description = "token_mismatch, forbidden", body = super::ErrorBody),
         (status = 409, description = "result_already_set, not_consumed", body = super::ErrorBody),
         (status = 413, description = "payload_too_large (64 KiB)", body = super::ErrorBody),
+        (status = 429, description = "rate_limited: over the client's ceiling (with Retry-After)", body = super::ErrorBody),
     ))]
 pub async fn result(
     state: web::Data<AppState>,
@@ -333,6 +335,7 @@ impl BodyLimit for ReleaseRequest {}
         (status = 400, description = "invalid_request, token_invalid", body = super::ErrorBody),
         (status = 403, description = "token_mismatch, forbidden", body = super::ErrorBody),
         (status = 409, description = "not_releasable", body = super::ErrorBody),
+        (status = 429, description = "rate_limited: over the client's ceiling (with Retry-After)", body = super::ErrorBody),
     ))]
 pub async fn release(
     state: web::Data<AppState>,

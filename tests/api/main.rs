@@ -14,4 +14,5 @@ mod orders_model;
 mod procs;
 mod reconcile;
 mod result_release;
+mod security;
 mod startup_checks;

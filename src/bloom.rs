@@ -1,0 +1,484 @@
+//! The fleet-wide filter of issued token ids: a token whose tag verifies but
+//! that no instance of the fleet issued (signed with a leaked key, say) is
+//! refused here, in-process, before any Redis or Postgres round trip.
+//!
+//! - **What it holds.** The snowflake id of every token issued within the
+//!   last `bloom.horizon`, in generations: one per `bloom.generation` window
+//!   of the id's own timestamp. Whole generations expire, so the filter never
+//!   fills; a generation that receives more than `bloom.capacity` ids grows
+//!   another filter instead of degrading.
+//! - **How it learns.** This instance inserts its own ids before answering
+//!   the issue. The writer's batched issuance statement also sends the ids on
+//!   the Postgres channel [`crate::durable::bloom::CHANNEL`] (in the same
+//!   statement, so a notification goes out exactly when the records commit);
+//!   every instance listens on its own dedicated connection ([`run`]). At
+//!   start, and after the listening connection was lost, it loads the ids
+//!   from the `tokens` table, after listening again, so nothing falls in
+//!   between.
+//! - **What it decides** ([`Verdict`]): a token the filter knows goes on; an
+//!   unknown token younger than `bloom.grace` (propagation delay, clock skew)
+//!   goes on too; so does a token older than the horizon, and every token
+//!   while the filter is not synced (listener down or not loaded yet: fail
+//!   open, the tiers still decide). Everything else is `token_invalid`.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use bloomfilter::Bloom;
+use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{BloomSettings, PostgresSettings};
+use crate::durable::{bloom as sql, Pools};
+use crate::metrics::Metrics;
+use crate::token::{Clock, SnowflakeId};
+
+/// What the filter says about a verified token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Issued by the fleet (or a false positive): the tiers decide.
+    Known,
+    /// Unknown, but younger than the grace: its issuance may still be on its
+    /// way. The tiers decide.
+    Young,
+    /// Outside what the filter covers (older than the horizon, or the filter
+    /// is disabled or not synced): the tiers decide.
+    Uncovered,
+    /// Never issued: refuse without I/O.
+    Rejected,
+}
+
+impl Verdict {
+    fn label(self) -> &'static str {
+        match self {
+            Verdict::Known => "known",
+            Verdict::Young => "young",
+            Verdict::Uncovered => "uncovered",
+            Verdict::Rejected => "rejected",
+        }
+    }
+}
+
+/// One bloom filter of a generation.
+struct Part {
+    bloom: Bloom<u64>,
+    items: usize,
+}
+
+impl Part {
+    /// Share of bits set, counted exactly.
+    fn fill_ratio(&self) -> f64 {
+        let bits = self.bloom.len();
+        if bits == 0 {
+            return 0.0;
+        }
+        // `as_slice` is a header followed by the bitmap: the bitmap is the tail.
+        let slice = self.bloom.as_slice();
+        let bytes = usize::try_from(bits / 8)
+            .unwrap_or(slice.len())
+            .min(slice.len());
+        let ones: u64 = slice[slice.len() - bytes..]
+            .iter()
+            .map(|b| u64::from(b.count_ones()))
+            .sum();
+        ones as f64 / bits as f64
+    }
+}
+
+/// The ids issued in one window of time.
+#[derive(Default)]
+struct Generation {
+    parts: Vec<Part>,
+}
+
+/// The filter. Cheap to check (a read lock and a few hashes); inserts take a
+/// short write lock.
+pub struct IssuedFilter {
+    settings: BloomSettings,
+    generation_ms: i64,
+    horizon_ms: i64,
+    grace_ms: i64,
+    /// Generations by window index (`timestamp_ms / generation_ms`).
+    generations: RwLock<BTreeMap<i64, Generation>>,
+    /// Whether every issuance since `now - horizon` has reached us.
+    synced: AtomicBool,
+    /// A filter could not be allocated: fail open from then on.
+    broken: AtomicBool,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for IssuedFilter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IssuedFilter")
+            .field("settings", &self.settings)
+            .field("synced", &self.is_synced())
+            .finish_non_exhaustive()
+    }
+}
+
+fn ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+impl IssuedFilter {
+    pub fn new(settings: BloomSettings, metrics: Arc<Metrics>) -> IssuedFilter {
+        IssuedFilter {
+            generation_ms: ms(settings.generation).max(1),
+            horizon_ms: ms(settings.horizon),
+            grace_ms: ms(settings.grace),
+            settings,
+            generations: RwLock::new(BTreeMap::new()),
+            synced: AtomicBool::new(false),
+            broken: AtomicBool::new(false),
+            metrics,
+        }
+    }
+
+    pub fn settings(&self) -> &BloomSettings {
+        &self.settings
+    }
+
+    pub fn is_enabled(&self) -> bool {
+        self.settings.enabled
+    }
+
+    /// Whether the filter has heard every issuance within the horizon.
+    pub fn is_synced(&self) -> bool {
+        self.synced.load(Ordering::Acquire)
+    }
+
+    pub fn set_synced(&self, synced: bool) {
+        self.synced.store(synced, Ordering::Release);
+        self.metrics.bloom_synced.set(i64::from(synced));
+    }
+
+    fn window(&self, timestamp_ms: i64) -> i64 {
+        timestamp_ms.div_euclid(self.generation_ms)
+    }
+
+    /// Records issued ids. Ids older than the horizon are skipped (they are
+    /// not covered anyway), and so are ids more than one generation ahead of
+    /// our clock (a peer whose clock is that far off).
+    pub fn insert_many(&self, ids: impl IntoIterator<Item = u64>, now_ms: i64) {
+        if !self.settings.enabled {
+            return;
+        }
+        let oldest = now_ms.saturating_sub(self.horizon_ms);
+        let newest = now_ms.saturating_add(self.generation_ms);
+        let mut gens = self.generations.write().unwrap_or_else(|p| p.into_inner());
+        for id in ids {
+            let ts = SnowflakeId(id).timestamp_ms();
+            if ts < oldest || ts > newest {
+                continue;
+            }
+            let generation = gens.entry(self.window(ts)).or_default();
+            let full = generation
+                .parts
+                .last()
+                .is_none_or(|p| p.items >= self.settings.capacity);
+            if full {
+                match Bloom::new_for_fp_rate(self.settings.capacity, self.settings.fp_rate) {
+                    Ok(bloom) => generation.parts.push(Part { bloom, items: 0 }),
+                    Err(e) => {
+                        if !self.broken.swap(true, Ordering::Relaxed) {
+                            tracing::error!(
+                                error = e,
+                                "bloom filter not allocated; every token goes on to the tiers"
+                            );
+                        }
+                        continue;
+                    }
+                }
+            }
+            if let Some(part) = generation.parts.last_mut() {
+                part.bloom.set(&id);
+                part.items += 1;
+            }
+        }
+    }
+
+    pub fn insert(&self, id: SnowflakeId, now_ms: i64) {
+        self.insert_many([id.0], now_ms);
+    }
+
+    /// Whether the filter holds `id` (false positives included).
+    pub fn contains(&self, id: SnowflakeId) -> bool {
+        let gens = self.generations.read().unwrap_or_else(|p| p.into_inner());
+        gens.get(&self.window(id.timestamp_ms()))
+            .is_some_and(|g| g.parts.iter().any(|p| p.bloom.check(&id.0)))
+    }
+
+    /// Decides about a token whose tag verified, and counts the verdict.
+    pub fn check(&self, id: SnowflakeId, now_ms: i64) -> Verdict {
+        let verdict = self.verdict(id, now_ms);
+        self.metrics
+            .bloom_checks
+            .with_label_values(&[verdict.label()])
+            .inc();
+        verdict
+    }
+
+    fn verdict(&self, id: SnowflakeId, now_ms: i64) -> Verdict {
+        if !self.settings.enabled || self.broken.load(Ordering::Relaxed) {
+            return Verdict::Uncovered;
+        }
+        let ts = id.timestamp_ms();
+        if ts < now_ms.saturating_sub(self.horizon_ms) {
+            return Verdict::Uncovered;
+        }
+        if self.contains(id) {
+            return Verdict::Known;
+        }
+        // Both ways: a peer whose clock runs a little early makes ids from
+        // our future, and its notification may not have arrived yet.
+        if (now_ms - ts).abs() <= self.grace_ms {
+            return Verdict::Young;
+        }
+        if !self.is_synced() {
+            return Verdict::Uncovered;
+        }
+        Verdict::Rejected
+    }
+
+    /// Drops generations wholly older than the horizon and updates the
+    /// gauges (fill ratio and estimated false-positive rate of the fullest
+    /// filter, ids held).
+    pub fn maintain(&self, now_ms: i64) {
+        let oldest = self.window(now_ms.saturating_sub(self.horizon_ms));
+        self.generations
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|w, _| *w >= oldest);
+        // Counting bits takes a moment: under the read lock, so checks go on.
+        let gens = self.generations.read().unwrap_or_else(|p| p.into_inner());
+        let (mut fill, mut fp, mut items) = (0.0f64, 0.0f64, 0usize);
+        for part in gens.values().flat_map(|g| g.parts.iter()) {
+            let f = part.fill_ratio();
+            fill = fill.max(f);
+            fp = fp.max(f.powi(part.bloom.number_of_hash_functions() as i32));
+            items += part.items;
+        }
+        drop(gens);
+        self.metrics.bloom_fill_ratio.set(fill);
+        self.metrics.bloom_fp_rate.set(fp);
+        self.metrics
+            .bloom_tokens
+            .set(i64::try_from(items).unwrap_or(i64::MAX));
+    }
+
+    /// Live generations (tests and logs).
+    pub fn generations(&self) -> usize {
+        self.generations
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
+    }
+}
+
+/// How far back a reload reaches after the listening connection was lost:
+/// notifications of records committed while we were not listening are gone,
+/// and their ids can be older than the moment of the loss by the writer's lag.
+const RELOAD_MARGIN: Duration = Duration::from_secs(300);
+
+/// Keeps the filter in step with the fleet until `shutdown`: listens on the
+/// channel (its own connection, never one of the request pools'), loads the
+/// ids within the horizon, then inserts every notified id. When the
+/// connection is lost it marks the filter unsynced (fail open), reconnects
+/// with backoff, and reloads from a little before the loss. `ready` fires
+/// after the first load (or the first failure), so that start-up can wait.
+pub async fn run(
+    filter: Arc<IssuedFilter>,
+    postgres: PostgresSettings,
+    pools: Pools,
+    clock: Arc<dyn Clock>,
+    shutdown: CancellationToken,
+    ready: oneshot::Sender<()>,
+) {
+    let mut ready = Some(ready);
+    if !filter.is_enabled() {
+        if let Some(r) = ready.take() {
+            let _ = r.send(());
+        }
+        return;
+    }
+    let horizon = filter.settings().horizon;
+    let mut since_ms = clock.now_ms() - ms(horizon);
+    let mut backoff = Duration::from_millis(250);
+    let listen_pool = match sql::listen_pool(&postgres) {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::error!(error = %e, "bloom filter cannot listen; every token goes on to the tiers");
+            if let Some(r) = ready.take() {
+                let _ = r.send(());
+            }
+            return;
+        }
+    };
+    loop {
+        filter.set_synced(false);
+        let attempt = async {
+            let listener = sql::listen(&listen_pool).await?;
+            let from = SnowflakeId::from_parts(since_ms, 0, 0).as_i64();
+            let loaded = sql::load_since(&pools.admin, from, |ids| {
+                filter.insert_many(ids.iter().map(|&id| id as u64), clock.now_ms())
+            })
+            .await?;
+            Ok::<_, crate::durable::DurableError>((listener, loaded))
+        };
+        let outcome = tokio::select! {
+            o = attempt => o,
+            _ = shutdown.cancelled() => return,
+        };
+        let mut listener = match outcome {
+            Ok((listener, loaded)) => {
+                filter.set_synced(true);
+                filter.maintain(clock.now_ms());
+                tracing::info!(loaded, "bloom filter synced with the fleet");
+                backoff = Duration::from_millis(250);
+                listener
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "bloom filter not synced; unknown tokens go on to the tiers meanwhile");
+                if let Some(r) = ready.take() {
+                    let _ = r.send(());
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = shutdown.cancelled() => return,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        if let Some(r) = ready.take() {
+            let _ = r.send(());
+        }
+        loop {
+            let next = tokio::select! {
+                n = listener.try_recv() => n,
+                _ = shutdown.cancelled() => return,
+            };
+            match next {
+                Ok(Some(note)) => match sql::decode(note.payload()) {
+                    Some(ids) => filter.insert_many(ids, clock.now_ms()),
+                    None => tracing::warn!("unreadable issuance notification ignored"),
+                },
+                Ok(None) | Err(_) => {
+                    filter.set_synced(false);
+                    tracing::warn!("bloom filter lost its listening connection; unknown tokens go on to the tiers until it is back");
+                    since_ms =
+                        (clock.now_ms() - ms(RELOAD_MARGIN)).max(clock.now_ms() - ms(horizon));
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Expires generations and refreshes the gauges every few seconds.
+pub async fn maintain(
+    filter: Arc<IssuedFilter>,
+    clock: Arc<dyn Clock>,
+    shutdown: CancellationToken,
+) {
+    if !filter.is_enabled() {
+        return;
+    }
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        filter.maintain(clock.now_ms());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::token::snowflake::EPOCH_MS;
+
+    fn settings(capacity: usize) -> BloomSettings {
+        BloomSettings {
+            enabled: true,
+            capacity,
+            fp_rate: 0.01,
+            generation: Duration::from_secs(60),
+            horizon: Duration::from_secs(600),
+            grace: Duration::from_secs(2),
+        }
+    }
+
+    const NOW: i64 = EPOCH_MS + 1_000_000_000;
+
+    fn id(ts: i64, seq: u16) -> SnowflakeId {
+        SnowflakeId::from_parts(ts, 1, seq)
+    }
+
+    #[test]
+    fn verdicts() {
+        let f = IssuedFilter::new(settings(1000), Arc::new(Metrics::new()));
+        let issued = id(NOW - 30_000, 1);
+        f.insert(issued, NOW);
+        // Not synced: unknown tokens are not refused.
+        assert_eq!(f.check(id(NOW - 30_000, 2), NOW), Verdict::Uncovered);
+        f.set_synced(true);
+        assert_eq!(f.check(issued, NOW), Verdict::Known);
+        assert_eq!(f.check(id(NOW - 30_000, 2), NOW), Verdict::Rejected);
+        // Within the grace, either side of now.
+        assert_eq!(f.check(id(NOW - 1_500, 1), NOW), Verdict::Young);
+        assert_eq!(f.check(id(NOW + 1_500, 1), NOW), Verdict::Young);
+        // Far in the future: nobody issued it.
+        assert_eq!(f.check(id(NOW + 60_000, 1), NOW), Verdict::Rejected);
+        // Older than the horizon: the tiers decide.
+        assert_eq!(f.check(id(NOW - 700_000, 1), NOW), Verdict::Uncovered);
+        // Disabled: never refuses.
+        let mut s = settings(1000);
+        s.enabled = false;
+        let off = IssuedFilter::new(s, Arc::new(Metrics::new()));
+        off.set_synced(true);
+        assert_eq!(off.check(id(NOW - 30_000, 2), NOW), Verdict::Uncovered);
+    }
+
+    #[test]
+    fn generations_rotate_and_never_fill() {
+        let metrics = Arc::new(Metrics::new());
+        let f = IssuedFilter::new(settings(1000), metrics.clone());
+        f.set_synced(true);
+        // 5000 ids in one window: the generation grows parts instead of filling.
+        let ids: Vec<u64> = (0..5000).map(|i| id(NOW - 10_000, i).0).collect();
+        f.insert_many(ids.iter().copied(), NOW);
+        assert!(ids.iter().all(|&i| f.contains(SnowflakeId(i))));
+        f.maintain(NOW);
+        let fill = metrics.bloom_fill_ratio.get();
+        assert!(fill > 0.3 && fill < 0.6, "fill {fill}");
+        assert!(metrics.bloom_fp_rate.get() < 0.02);
+        assert_eq!(metrics.bloom_tokens.get(), 5000);
+        // Unknown ids of the same window are mostly refused (FP rate ~1 %).
+        let refused = (0..1000u16)
+            .filter(|s| {
+                f.check(SnowflakeId::from_parts(NOW - 10_000, 2, *s), NOW) == Verdict::Rejected
+            })
+            .count();
+        assert!(refused > 950, "{refused}");
+        // Past the horizon the generation is dropped and the ids are uncovered.
+        let later = NOW + 700_000;
+        f.maintain(later);
+        assert_eq!(f.generations(), 0);
+        assert_eq!(f.check(SnowflakeId(ids[0]), later), Verdict::Uncovered);
+        assert_eq!(metrics.bloom_tokens.get(), 0);
+    }
+
+    #[test]
+    fn memory_per_setting() {
+        let mut s = settings(10_000_000);
+        let mb = s.bytes_per_filter() as f64 / 1e6;
+        assert!((11.5..12.5).contains(&mb), "{mb} MB at 1 %");
+        s.fp_rate = 0.001;
+        let mb = s.bytes_per_filter() as f64 / 1e6;
+        assert!((17.5..18.5).contains(&mb), "{mb} MB at 0.1 %");
+        assert_eq!(settings(1000).max_generations(), 12);
+    }
+}
