@@ -242,12 +242,24 @@ impl Reconciler {
 
 #[derive(Debug, thiserror::Error)]
 enum PhaseError {
-    #[error("redis: {0}")]
+    #[error("redis")]
     Redis(#[from] FastError),
-    #[error("postgres: {0:#}")]
+    #[error("postgres")]
     Postgres(#[from] DurableError),
     #[error("journal: {0:#}")]
     Journal(anyhow::Error),
+}
+
+/// An error and its causes, `a: b: c`, for the report.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
 }
 
 /// The state of one run.
@@ -302,7 +314,7 @@ impl Run<'_> {
             };
             if let Err(e) = out {
                 tracing::error!(phase = name, error = %e, "reconcile: phase failed");
-                self.errors.push(format!("{name}: {e}"));
+                self.errors.push(format!("{name}: {}", error_chain(&e)));
             }
         }
     }
