@@ -81,7 +81,9 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
 }
 
 /// Request id, a tracing span per request, and the latency histogram by
-/// route pattern (never by raw path, which holds tokens).
+/// route pattern (never by raw path, which holds tokens). The pattern is read
+/// after routing, from the resource the router matched: asking before would
+/// match the path against every route a second time.
 pub async fn observe(
     req: ServiceRequest,
     next: Next<impl MessageBody + 'static>,
@@ -93,15 +95,23 @@ pub async fn observe(
         .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
         .map(str::to_owned)
         .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
-    let endpoint = req
-        .match_pattern()
-        .unwrap_or_else(|| "unmatched".to_owned());
     let method = req.method().to_string();
     let state = req.app_data::<web::Data<AppState>>().cloned();
-    let span = tracing::info_span!("request", %request_id, %method, route = %endpoint);
+    let span = tracing::info_span!(
+        "request",
+        %request_id,
+        %method,
+        route = tracing::field::Empty
+    );
     let start = Instant::now();
     let res = next.call(req).instrument(span.clone()).await;
     let elapsed = start.elapsed();
+    let endpoint = res
+        .as_ref()
+        .ok()
+        .and_then(|r| r.request().match_pattern())
+        .unwrap_or_else(|| "unmatched".to_owned());
+    span.record("route", endpoint.as_str());
     if let Some(state) = state {
         state
             .ledger
