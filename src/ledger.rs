@@ -345,7 +345,7 @@ impl Ledger {
 
     // ---- issue ------------------------------------------------------------
 
-    #[tracing::instrument(skip_all, fields(biz_type = %biz, client = %caller.name))]
+    #[tracing::instrument(level = "debug", skip_all, fields(biz_type = %biz, client = %caller.name))]
     pub async fn issue(
         &self,
         caller: &Client,
@@ -575,7 +575,7 @@ impl Ledger {
 
     // ---- consume ----------------------------------------------------------
 
-    #[tracing::instrument(skip_all, fields(client = %caller.name))]
+    #[tracing::instrument(level = "debug", skip_all, fields(client = %caller.name))]
     pub async fn consume(
         &self,
         caller: &Client,
@@ -1026,7 +1026,7 @@ impl Ledger {
 
     // ---- result -----------------------------------------------------------
 
-    #[tracing::instrument(skip_all, fields(client = %caller.name))]
+    #[tracing::instrument(level = "debug", skip_all, fields(client = %caller.name))]
     pub async fn record_result(
         &self,
         caller: &Client,
@@ -1086,7 +1086,7 @@ impl Ledger {
 
     // ---- release ----------------------------------------------------------
 
-    #[tracing::instrument(skip_all, fields(client = %caller.name))]
+    #[tracing::instrument(level = "debug", skip_all, fields(client = %caller.name))]
     pub async fn release(
         &self,
         caller: &Client,

@@ -309,7 +309,7 @@ impl<'a> Orders<'a> {
 
     /// Idempotent create: the same body again is `Replayed`; another body, or
     /// another client, is `Conflict`.
-    #[tracing::instrument(skip_all, fields(client = %caller.name))]
+    #[tracing::instrument(level = "debug", skip_all, fields(client = %caller.name))]
     pub async fn create(
         &self,
         caller: &Client,
@@ -376,7 +376,7 @@ impl<'a> Orders<'a> {
     /// Bounded in time like every payment-path call: a Postgres that stopped
     /// answering costs at most a few statement deadlines and answers 503;
     /// dropping the transaction rolls it back.
-    #[tracing::instrument(skip_all, fields(client = %caller.name, event = input.event.kind()))]
+    #[tracing::instrument(level = "debug", skip_all, fields(client = %caller.name, event = input.event.kind()))]
     pub async fn apply(
         &self,
         caller: &Client,
