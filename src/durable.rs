@@ -104,10 +104,16 @@ impl Pools {
     /// Lazily connecting pools: the first query connects.
     pub fn new(settings: &PostgresSettings) -> Result<Pools, sqlx::Error> {
         let opts = connect_options(settings)?;
+        // No ping before each use: it is a round trip per statement (sqlx
+        // already pings every connection when it goes back to the pool, so
+        // an idle one was alive when it was returned). A connection that
+        // dies while idle fails its next statement: that request answers
+        // 503 `unavailable` and the connection is dropped.
         let hot = PgPoolOptions::new()
             .max_connections(settings.pool_size)
             .min_connections(0)
             .acquire_timeout(settings.acquire_timeout)
+            .test_before_acquire(false)
             .connect_lazy_with(opts.clone());
         let admin = PgPoolOptions::new()
             .max_connections(settings.admin_pool_size)

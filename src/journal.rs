@@ -22,35 +22,70 @@ const BATCH: usize = 500;
 const CLAIM_IDLE_MS: u64 = 30_000;
 
 /// One journal entry's fields, as the ledger writes them.
+/// The field that holds an entry: one JSON array (`["consume", id, token,
+/// biz, subject, client, issued_at_ms, expires_at_ms, request_id,
+/// fingerprint]`, `["result", id, result_json_text]`, `["release", id]`), beside the
+/// `at` field the script adds. One field instead of ten keeps both the
+/// script's `XADD` and the drainer's parsing of the stream reply cheap.
+/// Entries with one field per value (`op`, `id`, ...; written before 0.1)
+/// are still read.
+pub const ENTRY: &str = "e";
+
+/// The journal fields of a fast-type consume.
 pub fn consume_fields(
     rec: &TokenRecord,
     request_id: Option<&str>,
     fingerprint: Option<&str>,
 ) -> Vec<(&'static str, String)> {
-    vec![
-        ("op", "consume".into()),
-        ("id", rec.id.to_string()),
-        ("token", rec.token.clone()),
-        ("biz", rec.biz_type.clone()),
-        ("sub", rec.subject.clone()),
-        ("cl", rec.client.clone()),
-        ("iat", rec.issued_at.timestamp_millis().to_string()),
-        ("exp", rec.expires_at.timestamp_millis().to_string()),
-        ("rid", request_id.unwrap_or("").into()),
-        ("fp", fingerprint.unwrap_or("").into()),
-    ]
+    let entry = (
+        "consume",
+        rec.id,
+        &rec.token,
+        &rec.biz_type,
+        &rec.subject,
+        &rec.client,
+        rec.issued_at.timestamp_millis(),
+        rec.expires_at.timestamp_millis(),
+        request_id.unwrap_or(""),
+        fingerprint.unwrap_or(""),
+    );
+    vec![(ENTRY, pack(&entry))]
 }
 
 pub fn result_fields(id: i64, result: &str) -> Vec<(&'static str, String)> {
-    vec![
-        ("op", "result".into()),
-        ("id", id.to_string()),
-        ("res", result.into()),
-    ]
+    // `result` is the JSON text as stored, carried as a string.
+    vec![(ENTRY, pack(&("result", id, result)))]
 }
 
 pub fn release_fields(id: i64) -> Vec<(&'static str, String)> {
-    vec![("op", "release".into()), ("id", id.to_string())]
+    vec![(ENTRY, pack(&("release", id)))]
+}
+
+fn pack(entry: &impl serde::Serialize) -> String {
+    // Serializing strings, integers and JSON values into a String cannot fail.
+    serde_json::to_string(entry).unwrap_or_default()
+}
+
+/// What [`ENTRY`] holds, told apart by length (the first element names it).
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum Packed {
+    Consume(
+        (
+            String,
+            i64,
+            String,
+            String,
+            String,
+            String,
+            i64,
+            i64,
+            String,
+            String,
+        ),
+    ),
+    Result((String, i64, String)),
+    Release((String, i64)),
 }
 
 #[derive(Debug)]
@@ -78,6 +113,51 @@ fn ms_to_time(ms: &str) -> Option<chrono::DateTime<Utc>> {
 }
 
 fn parse(e: &StreamId) -> Entry {
+    match e.get::<String>(ENTRY) {
+        Some(packed) => parse_packed(&packed, &field(e, "at")),
+        None => parse_fields(e),
+    }
+}
+
+fn parse_packed(packed: &str, at: &str) -> Entry {
+    let opt = |s: String| (!s.is_empty()).then_some(s);
+    let time = |ms: i64| Utc.timestamp_millis_opt(ms).single();
+    match serde_json::from_str::<Packed>(packed) {
+        Ok(Packed::Consume((op, id, token, biz_type, subject, client, iat, exp, rid, fp)))
+            if op == "consume" =>
+        {
+            let (Some(issued_at), Some(expires_at), Some(at)) =
+                (time(iat), time(exp), ms_to_time(at))
+            else {
+                return Entry::Bad;
+            };
+            Entry::Consume(JournalConsume {
+                record: TokenRecord {
+                    id,
+                    token,
+                    biz_type,
+                    durability: "fast",
+                    subject,
+                    client,
+                    issued_at,
+                    expires_at,
+                },
+                consumed_at: at,
+                fingerprint: opt(fp),
+                request_id: opt(rid),
+            })
+        }
+        Ok(Packed::Result((op, id, text))) if op == "result" => match serde_json::from_str(&text) {
+            Ok(result) => Entry::Result { id, result },
+            Err(_) => Entry::Bad,
+        },
+        Ok(Packed::Release((op, id))) if op == "release" => Entry::Release { id },
+        _ => Entry::Bad,
+    }
+}
+
+/// The older layout: one stream field per value.
+fn parse_fields(e: &StreamId) -> Entry {
     let id: Option<i64> = field(e, "id").parse().ok();
     let opt = |s: String| (!s.is_empty()).then_some(s);
     match (field(e, "op").as_str(), id) {
@@ -275,4 +355,140 @@ pub async fn drain_once(
     })
     .await?;
     Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A stream entry as XREADGROUP returns it, with the `at` the script adds.
+    fn entry(fields: &[(&'static str, String)], at: i64) -> StreamId {
+        let mut map: std::collections::HashMap<String, redis::Value> = fields
+            .iter()
+            .map(|(k, v)| {
+                (
+                    k.to_string(),
+                    redis::Value::BulkString(v.clone().into_bytes()),
+                )
+            })
+            .collect();
+        map.insert(
+            "at".into(),
+            redis::Value::BulkString(at.to_string().into_bytes()),
+        );
+        StreamId {
+            id: "1-0".into(),
+            map,
+            ..StreamId::default()
+        }
+    }
+
+    fn record(subject: String, client: String) -> TokenRecord {
+        TokenRecord {
+            id: 7_000_000_000_001,
+            token: "like_dev1_AAAA".into(),
+            biz_type: "like".into(),
+            durability: "fast",
+            subject,
+            client,
+            issued_at: Utc.timestamp_millis_opt(1_790_000_000_123).unwrap(),
+            expires_at: Utc.timestamp_millis_opt(1_790_000_060_000).unwrap(),
+        }
+    }
+
+    proptest! {
+        /// Any subject, client, request id and fingerprint (quotes, control
+        /// characters, unicode, the old separator) comes back unchanged.
+        #[test]
+        fn consume_entries_round_trip(
+            subject in "\\PC{1,40}|.{1,40}",
+            client in ".{1,20}",
+            rid in proptest::option::of(".{0,30}"),
+            fp in proptest::option::of("[ -~]{0,30}"),
+        ) {
+            let rid = rid.filter(|s| !s.is_empty());
+            let fp = fp.filter(|s| !s.is_empty());
+            let rec = record(subject, client);
+            let fields = consume_fields(&rec, rid.as_deref(), fp.as_deref());
+            prop_assert_eq!(fields.len(), 1);
+            match parse(&entry(&fields, 1_790_000_001_000)) {
+                Entry::Consume(c) => {
+                    prop_assert_eq!(c.record.id, rec.id);
+                    prop_assert_eq!(&c.record.token, &rec.token);
+                    prop_assert_eq!(&c.record.biz_type, &rec.biz_type);
+                    prop_assert_eq!(&c.record.subject, &rec.subject);
+                    prop_assert_eq!(&c.record.client, &rec.client);
+                    prop_assert_eq!(c.record.issued_at, rec.issued_at);
+                    prop_assert_eq!(c.record.expires_at, rec.expires_at);
+                    prop_assert_eq!(c.consumed_at.timestamp_millis(), 1_790_000_001_000);
+                    prop_assert_eq!(c.request_id, rid);
+                    prop_assert_eq!(c.fingerprint, fp);
+                }
+                other => prop_assert!(false, "{other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn result_and_release_round_trip() {
+        let text = r#"{"order":"o-1","note":"a \"quoted\" \u001f value"}"#;
+        match parse(&entry(&result_fields(42, text), 5)) {
+            Entry::Result { id, result } => {
+                assert_eq!(id, 42);
+                assert_eq!(result, serde_json::from_str::<Json>(text).unwrap());
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            parse(&entry(&release_fields(43), 5)),
+            Entry::Release { id: 43 }
+        ));
+    }
+
+    #[test]
+    fn the_older_layout_is_still_read() {
+        let fields: Vec<(&'static str, String)> = vec![
+            ("op", "consume".into()),
+            ("id", "9".into()),
+            ("token", "like_dev1_BBBB".into()),
+            ("biz", "like".into()),
+            ("sub", "u-1".into()),
+            ("cl", "payments".into()),
+            ("iat", "1790000000000".into()),
+            ("exp", "1790000060000".into()),
+            ("rid", "".into()),
+            ("fp", "sha256:1".into()),
+        ];
+        match parse(&entry(&fields, 1_790_000_000_500)) {
+            Entry::Consume(c) => {
+                assert_eq!((c.record.id, c.record.subject.as_str()), (9, "u-1"));
+                assert_eq!(c.request_id, None);
+                assert_eq!(c.fingerprint.as_deref(), Some("sha256:1"));
+            }
+            other => panic!("{other:?}"),
+        }
+        let old_release = vec![("op", "release".into()), ("id", "10".into())];
+        assert!(matches!(
+            parse(&entry(&old_release, 1)),
+            Entry::Release { id: 10 }
+        ));
+    }
+
+    #[test]
+    fn junk_is_bad_never_a_panic() {
+        for junk in [
+            "",
+            "[]",
+            "[\"consume\"]",
+            "[\"release\",\"x\"]",
+            "[\"result\",1,\"not json\"]",
+            "[\"drop\",1]",
+            "{\"op\":\"consume\"}",
+            "\u{0}",
+        ] {
+            let fields = vec![(ENTRY, junk.to_owned())];
+            assert!(matches!(parse(&entry(&fields, 1)), Entry::Bad), "{junk}");
+        }
+    }
 }

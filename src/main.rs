@@ -5,6 +5,12 @@ use std::process::ExitCode;
 use clap::Parser;
 use idempotency_ledger::cli::{self, Cli};
 
+/// mimalloc: a request allocates a few dozen small objects across threads
+/// (actix workers, Redis and Postgres driver tasks); measured in the README's
+/// Benchmarks section.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,

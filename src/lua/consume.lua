@@ -44,7 +44,7 @@ end
 if mode == 'fast' then
   if not s then return {'miss', '', '', '', ''} end
   redis.call('HSET', key, 's', 'c', 'at', now, 'rid', ARGV[4], 'fp', ARGV[5])
-  redis.call('HDEL', key, 'o', 'd')
+  if s == 'p' then redis.call('HDEL', key, 'o', 'd') end
   redis.call('PEXPIRE', key, ARGV[6])
   if ARGV[7] == '1' then
     redis.call('XADD', KEYS[2], '*', 'at', now, unpack(ARGV, 8))
