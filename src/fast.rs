@@ -793,11 +793,33 @@ impl FastTier {
     }
 
     /// Reads the state of many tokens' keys in one pipeline (one `HMGET` per
-    /// key), with Redis's clock in ms for judging provisional deadlines.
+    /// key), with Redis's clock in ms for judging provisional deadlines. On a
+    /// cluster, where a pipeline may not cross slots, the `HMGET`s go out
+    /// concurrently on the cluster connection, each to its key's node.
     pub async fn key_states(&self, tokens: &[String]) -> Result<(i64, Vec<KeyState>), FastError> {
         let keys: Vec<String> = tokens.iter().map(|t| self.token_key(t)).collect();
+        let cluster = self.cluster;
         let (time, rows): ((i64, i64), Vec<StateFields>) = self
             .call("key_states", |mut c| async move {
+                if cluster {
+                    let time: (i64, i64) = redis::cmd("TIME").query_async(&mut c).await?;
+                    let reads = keys.iter().map(|k| {
+                        let mut c = c.clone();
+                        async move {
+                            redis::cmd("HMGET")
+                                .arg(k)
+                                .arg("s")
+                                .arg("d")
+                                .query_async::<StateFields>(&mut c)
+                                .await
+                        }
+                    });
+                    let rows = futures_util::future::join_all(reads)
+                        .await
+                        .into_iter()
+                        .collect::<Result<Vec<_>, _>>()?;
+                    return Ok((time, rows));
+                }
                 let mut p = redis::pipe();
                 p.cmd("TIME");
                 for k in &keys {

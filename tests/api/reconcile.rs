@@ -724,3 +724,114 @@ async fn an_interrupted_run_stops_between_batches_and_a_rerun_finishes() {
     pools.close().await;
     app.stop().await;
 }
+
+/// On a Redis Cluster, `reconcile` scans every master (each holds a share of
+/// the token keys) and repairs through the cluster connection. With 12
+/// tokens per class, all of a class on one master has probability 3 x 3^-12:
+/// a reconcile that scanned one node only would find a third of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_a_cluster_every_master_is_scanned_and_repaired() {
+    let cluster = crate::procs::Cluster::start();
+    let nodes = cluster
+        .urls()
+        .iter()
+        .map(|u| format!("\"{u}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let stores = Stores::fresh()
+        .redis("")
+        .with(&format!("redis.cluster_nodes = [{nodes}]"))
+        .with("reconcile.batch_size = 5");
+    let app = spawn_app_on(stores.clone()).await;
+    let pg = app.pg().await;
+    let mut r = redis::cluster::ClusterClient::new(cluster.urls())
+        .expect("cluster client")
+        .get_async_connection()
+        .await
+        .expect("cluster connection");
+    async fn state(r: &mut redis::cluster_async::ClusterConnection, key: &str) -> Option<String> {
+        r.hget(key, "s").await.expect("hget")
+    }
+
+    // Consumed in Postgres; their Redis markers are put back to "issued".
+    let mut spent = Vec::new();
+    for i in 0..12 {
+        let subject = format!("spent-{i}");
+        let token = app.issue(PAYMENTS, "order", &subject).await;
+        let (s, _, body) = answer(
+            app.consume(PAYMENTS, &token, &json!({"subject": subject}))
+                .await,
+        )
+        .await;
+        assert_eq!(
+            (s, body["outcome"].as_str()),
+            (StatusCode::OK, Some("consumed"))
+        );
+        spent.push((token, subject));
+    }
+    // Live; Redis loses their keys.
+    let mut live = Vec::new();
+    for i in 0..12 {
+        let subject = format!("live-{i}");
+        live.push((app.issue(PAYMENTS, "order", &subject).await, subject));
+    }
+    for (token, _) in spent.iter().chain(&live) {
+        token_id(&pg, token).await;
+    }
+    for (token, _) in &spent {
+        let key = app.token_key(token);
+        eventually(5, || {
+            let (mut r, key) = (r.clone(), key.clone());
+            async move { (state(&mut r, &key).await.as_deref() == Some("c")).then_some(()) }
+        })
+        .await;
+        let _: () = r.hset(&key, "s", "i").await.expect("hset");
+    }
+    for (token, _) in &live {
+        let _: () = r.del(app.token_key(token)).await.expect("del");
+    }
+
+    let want = expected(12, 12, 0, 0, 0, 0);
+    let dry = run(&stores, true).await;
+    assert_eq!(dry.found, want, "{dry:#?}");
+    assert_eq!(dry.repaired, Classes::default());
+    let real = run(&stores, false).await;
+    assert_eq!(real.found, want, "{real:#?}");
+    assert_eq!(real.repaired, want, "{real:#?}");
+    for (token, _) in &spent {
+        assert_eq!(
+            state(&mut r, &app.token_key(token)).await,
+            None,
+            "Postgres answers now"
+        );
+    }
+    for (token, _) in &live {
+        assert_eq!(
+            state(&mut r, &app.token_key(token)).await.as_deref(),
+            Some("i")
+        );
+    }
+    let again = run(&stores, false).await;
+    assert_eq!(again.found, Classes::default(), "{again:#?}");
+
+    // The service agrees: spent stays spent, live consumes once.
+    for (token, subject) in &spent {
+        let body = answer(
+            app.consume(PAYMENTS, token, &json!({"subject": subject}))
+                .await,
+        )
+        .await
+        .2;
+        assert_eq!(body["outcome"], "duplicate", "{body}");
+    }
+    for (token, subject) in &live {
+        let body = answer(
+            app.consume(PAYMENTS, token, &json!({"subject": subject}))
+                .await,
+        )
+        .await
+        .2;
+        assert_eq!(body["outcome"], "consumed", "{body}");
+    }
+    app.stop().await;
+}
