@@ -132,6 +132,7 @@ pub struct FastTier {
     conns: std::sync::RwLock<Option<Arc<Vec<Conn>>>>,
     /// Held while connecting, so that one caller connects and the others wait.
     connecting: tokio::sync::Mutex<()>,
+    next: AtomicUsize,
     /// The breaker, the latency window and the mode.
     health: Health,
     scripts: Scripts,
@@ -175,16 +176,6 @@ fn never_ran(e: &redis::RedisError) -> bool {
         )
 }
 
-/// A small number that stays with the current thread: threads are
-/// numbered in the order they first ask.
-fn thread_slot() -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    thread_local! {
-        static SLOT: usize = NEXT.fetch_add(1, Ordering::Relaxed);
-    }
-    SLOT.with(|s| *s)
-}
-
 fn opt(s: &str) -> Option<String> {
     (!s.is_empty()).then(|| s.to_owned())
 }
@@ -199,6 +190,7 @@ impl FastTier {
             settings,
             conns: std::sync::RwLock::new(None),
             connecting: tokio::sync::Mutex::new(()),
+            next: AtomicUsize::new(0),
             scripts: Scripts {
                 consume: Script::new(include_str!("lua/consume.lua")),
                 settle: Script::new(include_str!("lua/settle.lua")),
@@ -242,14 +234,14 @@ impl FastTier {
         }
     }
 
-    /// The connection for this call: each thread keeps to one of them (see
-    /// [`thread_slot`]), so that an actix worker's calls are answered on its
-    /// own runtime, where the connection's driver task was spawned by its
-    /// first call, without waking another thread per request.
     fn pick(&self) -> Option<Conn> {
-        let conns = self.conns.read().unwrap_or_else(|p| p.into_inner());
-        let conns = conns.as_ref()?;
-        conns.get(thread_slot() % conns.len()).cloned()
+        let conns = self
+            .conns
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()?;
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % conns.len();
+        conns.get(i).cloned()
     }
 
     async fn conn(&self) -> Result<Conn, FastError> {
