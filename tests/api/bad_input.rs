@@ -183,15 +183,7 @@ async fn bad_bodies_are_400_413_415() {
     .unwrap();
     assert_eq!(r.status(), StatusCode::CREATED);
     // Nothing but that one token was issued.
-    let text = app
-        .http
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = app.metrics_text().await;
     assert!(text.contains("ledger_tokens_issued_total{biz_type=\"order\"} 1"));
 }
 

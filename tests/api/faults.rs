@@ -872,17 +872,11 @@ async fn service_killed_mid_load_never_double_consumes_nor_burns_tokens() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_cluster_exactly_once_and_after_a_master_fails_over() {
     let mut cluster = Cluster::start();
-    let nodes = cluster
-        .urls()
-        .iter()
-        .map(|u| format!("\"{u}\""))
-        .collect::<Vec<_>>()
-        .join(", ");
     let app = Arc::new(
         spawn_app_on(
             Stores::fresh()
                 .redis("")
-                .with(&format!("redis.cluster_nodes = [{nodes}]"))
+                .with(&cluster.config_line())
                 .with(QUICK_BREAKER),
         )
         .await,

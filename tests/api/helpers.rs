@@ -145,6 +145,18 @@ impl TestApp {
         format!("{}{}", self.address, path)
     }
 
+    /// The Prometheus text of `/metrics`.
+    pub async fn metrics_text(&self) -> String {
+        self.http
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .expect("GET /metrics")
+            .text()
+            .await
+            .expect("metrics body")
+    }
+
     pub async fn post(&self, key: &str, path: &str, body: &Value) -> Response {
         self.http
             .post(self.url(path))

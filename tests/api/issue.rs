@@ -215,15 +215,7 @@ async fn operations_endpoints() {
     let token = app.issue(PAYMENTS, "order", "m").await;
     app.consume(PAYMENTS, &token, &json!({"subject": "m"}))
         .await;
-    let text = app
-        .http
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = app.metrics_text().await;
     for name in [
         "ledger_tokens_issued_total{biz_type=\"order\"} 1",
         "ledger_consume_total{biz_type=\"order\",outcome=\"consumed\"} 1",

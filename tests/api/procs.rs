@@ -205,6 +205,12 @@ impl Cluster {
         self.nodes.iter().map(RedisProc::url).collect()
     }
 
+    /// The config line that points the service at this cluster.
+    pub fn config_line(&self) -> String {
+        let nodes: Vec<String> = self.urls().iter().map(|u| format!("\"{u}\"")).collect();
+        format!("redis.cluster_nodes = [{}]", nodes.join(", "))
+    }
+
     pub fn is_master(&self, i: usize) -> bool {
         self.nodes[i].cli(&["role"]).starts_with("master")
     }

@@ -732,15 +732,9 @@ async fn an_interrupted_run_stops_between_batches_and_a_rerun_finishes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn on_a_cluster_every_master_is_scanned_and_repaired() {
     let cluster = crate::procs::Cluster::start();
-    let nodes = cluster
-        .urls()
-        .iter()
-        .map(|u| format!("\"{u}\""))
-        .collect::<Vec<_>>()
-        .join(", ");
     let stores = Stores::fresh()
         .redis("")
-        .with(&format!("redis.cluster_nodes = [{nodes}]"))
+        .with(&cluster.config_line())
         .with("reconcile.batch_size = 5");
     let app = spawn_app_on(stores.clone()).await;
     let pg = app.pg().await;

@@ -380,15 +380,7 @@ async fn forged_tokens_cost_no_redis_or_postgres_round_trip() {
         "{} transactions committed during the forgeries (allowed {allowed})",
         pg_after.1 - pg_before.1
     );
-    let metrics = app
-        .http
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = app.metrics_text().await;
     let rejected: u64 = metrics
         .lines()
         .find_map(|l| l.strip_prefix("ledger_bloom_checks_total{verdict=\"rejected\"} "))

@@ -59,27 +59,11 @@ async fn an_evicting_redis_is_flagged() {
     let (_redis, url) =
         private_redis(&["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"]).await;
     let app = spawn_app_on(Stores::fresh().redis(&url)).await;
-    let text = app
-        .http
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = app.metrics_text().await;
     assert!(text.contains("ledger_redis_eviction_unsafe 1"), "{text}");
 
     let app = spawn_app().await;
-    let text = app
-        .http
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = app.metrics_text().await;
     let policy: Vec<String> = redis::cmd("CONFIG")
         .arg("GET")
         .arg("maxmemory-policy")
