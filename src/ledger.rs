@@ -625,6 +625,26 @@ impl Ledger {
         ms(self.settings.tokens.provisional_ttl)
     }
 
+    /// The one Postgres statement of a consume that reaches Postgres
+    /// (`tokens::consume`), timed and bounded like every payment-path call.
+    async fn consume_in_postgres(
+        &self,
+        record: &TokenRecord,
+        attempt: &Attempt<'_>,
+    ) -> Result<ConsumeRow, DurableError> {
+        timed(
+            &self.metrics,
+            "consume",
+            self.pools.bounded(tokens::consume(
+                &self.pools.hot,
+                record,
+                attempt.fingerprint,
+                attempt.request_id,
+            )),
+        )
+        .await
+    }
+
     async fn consume_durable(
         &self,
         token: &VerifiedToken,
@@ -675,17 +695,7 @@ impl Ledger {
             // expires. Postgres decides either way.
             Err(e) => tracing::debug!(error = %e, "redis failed; postgres decides alone"),
         }
-        let row = timed(
-            &self.metrics,
-            "consume",
-            self.pools.bounded(tokens::consume(
-                &self.pools.hot,
-                record,
-                attempt.fingerprint,
-                attempt.request_id,
-            )),
-        )
-        .await;
+        let row = self.consume_in_postgres(record, &attempt).await;
         let row = match row {
             Ok(r) => r,
             Err(e) => {
@@ -764,18 +774,10 @@ impl Ledger {
             return self.expired_fast(record, input).await;
         }
         // Redis lost the key or never had it: Postgres decides.
-        let row = timed(
-            &self.metrics,
-            "consume",
-            self.pools.bounded(tokens::consume(
-                &self.pools.hot,
-                record,
-                attempt.fingerprint,
-                attempt.request_id,
-            )),
-        )
-        .await
-        .map_err(LedgerError::postgres)?;
+        let row = self
+            .consume_in_postgres(record, &attempt)
+            .await
+            .map_err(LedgerError::postgres)?;
         self.settle_row(token, &row, None, &attempt);
         answer_from_row(&row, input)
     }
@@ -839,17 +841,7 @@ impl Ledger {
                 source: None,
             });
         }
-        let row = timed(
-            &self.metrics,
-            "consume",
-            self.pools.bounded(tokens::consume(
-                &self.pools.hot,
-                record,
-                attempt.fingerprint,
-                attempt.request_id,
-            )),
-        )
-        .await;
+        let row = self.consume_in_postgres(record, attempt).await;
         match row {
             Ok(row) => {
                 if let Some(m) = self.marker_of(&row, attempt) {
