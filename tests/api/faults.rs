@@ -258,19 +258,7 @@ async fn redis_killed_during_durable_load_keeps_exactly_once() {
     wait_mode(&app, 10, "normal").await;
     let mut conn = redis.conn().await;
     let key = app.token_key(&like);
-    eventually(10, || {
-        let (mut conn, key) = (conn.clone(), key.clone());
-        async move {
-            let s: Option<String> = redis::cmd("HGET")
-                .arg(&key)
-                .arg("s")
-                .query_async(&mut conn)
-                .await
-                .ok()?;
-            (s.as_deref() == Some("c")).then_some(())
-        }
-    })
-    .await;
+    wait_redis_state(&conn, &key, "c", 10).await;
     let (_, replayed, body) = consume(&app, &like, &json!({"subject": "fan"})).await;
     assert_eq!(
         (body["outcome"].as_str(), replayed),
@@ -446,19 +434,7 @@ async fn stale_redis_snapshot_never_allows_a_second_durable_consume() {
     // Redis learns the consumes (off the answer's path)...
     for (token, _) in &tokens {
         let key = app.token_key(token);
-        eventually(5, || {
-            let (mut conn, key) = (conn.clone(), key.clone());
-            async move {
-                let s: Option<String> = redis::cmd("HGET")
-                    .arg(&key)
-                    .arg("s")
-                    .query_async(&mut conn)
-                    .await
-                    .ok()?;
-                (s.as_deref() == Some("c")).then_some(())
-            }
-        })
-        .await;
+        wait_redis_state(&conn, &key, "c", 5).await;
     }
     // ...and then fails over to the stale copy.
     for ((token, _), dump) in tokens.iter().zip(&snapshots) {

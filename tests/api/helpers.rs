@@ -260,3 +260,25 @@ where
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }
+
+/// Waits (at most `secs`) until the token hash at `key` holds state `want`
+/// (`c` consumed, `i` issued, `p` provisional): Redis learns a durable
+/// consume off the answer's path. Works on a standalone or cluster connection.
+pub async fn wait_redis_state<C>(conn: &C, key: &str, want: &str, secs: u64)
+where
+    C: redis::aio::ConnectionLike + Clone + Send,
+{
+    eventually(secs, || {
+        let mut conn = conn.clone();
+        async move {
+            let s: Option<String> = redis::cmd("HGET")
+                .arg(key)
+                .arg("s")
+                .query_async(&mut conn)
+                .await
+                .ok()?;
+            (s.as_deref() == Some(want)).then_some(())
+        }
+    })
+    .await;
+}

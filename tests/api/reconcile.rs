@@ -175,12 +175,7 @@ async fn every_divergence_class_dry_run_then_repair_then_nothing() {
     .await;
     assert_eq!(s, StatusCode::OK);
     let key_a = app.token_key(&a);
-    eventually(5, || {
-        let mut r = r.clone();
-        let key = key_a.clone();
-        async move { (state_of(&mut r, &key).await.as_deref() == Some("c")).then_some(()) }
-    })
-    .await;
+    wait_redis_state(&r, &key_a, "c", 5).await;
     // B: live and issued, Redis lost its key.
     let b = app.issue(PAYMENTS, "order", "u-b").await;
     // C: live and issued, a provisional marker whose owner died long ago.
@@ -774,11 +769,7 @@ async fn on_a_cluster_every_master_is_scanned_and_repaired() {
     }
     for (token, _) in &spent {
         let key = app.token_key(token);
-        eventually(5, || {
-            let (mut r, key) = (r.clone(), key.clone());
-            async move { (state(&mut r, &key).await.as_deref() == Some("c")).then_some(()) }
-        })
-        .await;
+        wait_redis_state(&r, &key, "c", 5).await;
         let _: () = r.hset(&key, "s", "i").await.expect("hset");
     }
     for (token, _) in &live {
