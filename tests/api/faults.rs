@@ -611,6 +611,76 @@ biz.like.ttl = "60s"
     .await;
 }
 
+/// The payment pool does not ping a connection before each statement: after
+/// Postgres restarts behind idle connections, a request that meets a dead one
+/// answers 503 `unavailable` (never a 500, never a wrong answer), the dead
+/// connection is dropped, and a retry with the same `request_id` consumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_restarted_behind_idle_connections_costs_503s_at_most() {
+    let pg = PgProc::start();
+    let app = Arc::new(
+        spawn_app_on(
+            Stores::fresh()
+                .postgres(&pg.base())
+                .with("postgres.pool_size = 4"),
+        )
+        .await,
+    );
+    let tokens = issue_many(&app, "order", 20).await;
+    // Fill the pool: concurrent consumes open every connection it may have.
+    let (warm, rest) = tokens.split_at(8);
+    let (consumed, answers) = storm(&app, warm, 1, "warm").await;
+    assert_all_ok(&answers);
+    assert!(consumed.iter().all(|&n| n == 1), "{consumed:?}");
+
+    pg.stop_immediate();
+    pg.start_again();
+    let mut refused = Vec::new();
+    for (i, (token, subject)) in rest.iter().enumerate() {
+        let body = json!({"subject": subject, "request_id": format!("after-{i}")});
+        let (s, _, answer) = consume(&app, token, &body).await;
+        match s {
+            StatusCode::OK => assert_eq!(answer["outcome"], "consumed", "{answer}"),
+            StatusCode::SERVICE_UNAVAILABLE => {
+                assert_eq!(answer["error"], "unavailable", "{answer}");
+                assert!(answer["retry_after"].as_str().is_some(), "{answer}");
+                refused.push((i, body));
+            }
+            other => panic!("token {i}: {other} {answer}"),
+        }
+    }
+    eprintln!(
+        "postgres restarted: {} of {} consumes met a dead connection",
+        refused.len(),
+        rest.len()
+    );
+    assert!(
+        refused.len() <= 4,
+        "more refusals than pooled connections: {refused:?}"
+    );
+    for (i, body) in &refused {
+        let (s, _, answer) = consume(&app, &rest[*i].0, body).await;
+        assert_eq!(
+            (s, answer["outcome"].as_str()),
+            (StatusCode::OK, Some("consumed")),
+            "{answer}"
+        );
+    }
+    let pool = app.pg().await;
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM tokens WHERE state = 'consumed'")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(n, 20);
+    let audited: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT token_id) FROM audit_events WHERE kind = 'token.consumed'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("audit");
+    assert_eq!(audited, 20);
+}
+
 // ---- the service SIGKILLed mid-load -----------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
