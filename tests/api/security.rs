@@ -746,7 +746,24 @@ async fn every_client_has_a_ceiling_on_every_endpoint() {
 
 #[tokio::test]
 async fn ttl_floors_per_biz_type() {
-    let app = spawn_app().await;
+    // No floor by default: API.md allows 1 s to the biz type's ttl.
+    let open = spawn_app().await;
+    for (biz, ttl) in [("order", 1), ("refund", 1), ("like", 1), ("order", 60)] {
+        let (s, _, body) = answer(
+            open.post(
+                PAYMENTS,
+                "/v1/tokens",
+                &json!({"biz_type": biz, "subject": "u", "ttl_seconds": ttl}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(s, StatusCode::CREATED, "{biz} {ttl}: {body}");
+    }
+    let app = spawn_app_on(Stores::fresh().with(
+        "biz.order.min_ttl = \"10s\"\nbiz.refund.min_ttl = \"10s\"\nbiz.like.min_ttl = \"1s\"",
+    ))
+    .await;
     for (biz, ttl, want) in [
         ("order", 9, StatusCode::BAD_REQUEST),
         ("order", 10, StatusCode::CREATED),
