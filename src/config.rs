@@ -288,7 +288,7 @@ pub struct PostgresSettings {
     pub statement_timeout: Duration,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RedisTopology {
     Standalone(String),
     Cluster(Vec<String>),
@@ -371,7 +371,7 @@ impl Settings {
         file: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Settings, ConfigError> {
-        let mut fig = Figment::from(Toml::string(DEFAULT_TOML));
+        let mut fig = Figment::new();
         if let Some(path) = file {
             if !path.exists() {
                 return Err(invalid(
@@ -390,15 +390,24 @@ impl Settings {
             // a TOML document built from the pairs instead of mutating it.
             fig = fig.merge(Toml::string(&env_to_toml(&env)?));
         }
-        Self::from_figment(fig)
+        Self::over_defaults(fig)
     }
 
     /// Loads from a TOML string merged over the defaults (used by tests).
     pub fn from_toml_over_defaults(toml: &str) -> Result<Settings, ConfigError> {
-        Self::from_figment(Figment::from(Toml::string(DEFAULT_TOML)).merge(Toml::string(toml)))
+        Self::over_defaults(Figment::from(Toml::string(toml)))
     }
 
-    fn from_figment(fig: Figment) -> Result<Settings, ConfigError> {
+    /// The user's layers (file, environment) merged over the embedded
+    /// defaults. Naming `redis.cluster_nodes` without a `redis.url` of one's
+    /// own means the cluster: the default standalone URL is dropped (both set
+    /// by the user is still a configuration error).
+    fn over_defaults(user: Figment) -> Result<Settings, ConfigError> {
+        let cluster_only = user.contains("redis.cluster_nodes") && !user.contains("redis.url");
+        let mut fig = Figment::from(Toml::string(DEFAULT_TOML)).merge(user);
+        if cluster_only {
+            fig = fig.merge(Toml::string("[redis]\nurl = \"\"\n"));
+        }
         let raw: Raw = fig.extract().map_err(Box::new)?;
         raw.validate()
     }
@@ -908,9 +917,24 @@ mod tests {
     }
 
     #[test]
-    fn url_and_cluster_together_is_an_error() {
-        let err = Settings::from_toml_over_defaults(
+    fn cluster_nodes_alone_replace_the_default_url_but_both_are_an_error() {
+        let nodes = vec!["redis://127.0.0.1:7000".to_owned()];
+        let s = Settings::from_toml_over_defaults(
             "[redis]\ncluster_nodes = [\"redis://127.0.0.1:7000\"]",
+        )
+        .expect("a file naming only cluster nodes");
+        assert_eq!(s.redis.topology, RedisTopology::Cluster(nodes.clone()));
+        let s = Settings::load_with_env(
+            None,
+            vec![(
+                "LEDGER__REDIS__CLUSTER_NODES".into(),
+                "[\"redis://127.0.0.1:7000\"]".into(),
+            )],
+        )
+        .expect("the environment naming only cluster nodes");
+        assert_eq!(s.redis.topology, RedisTopology::Cluster(nodes));
+        let err = Settings::from_toml_over_defaults(
+            "[redis]\nurl = \"redis://127.0.0.1:6379\"\ncluster_nodes = [\"redis://127.0.0.1:7000\"]",
         )
         .unwrap_err();
         assert!(err.to_string().contains("redis.cluster_nodes"), "{err}");
