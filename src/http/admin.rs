@@ -123,6 +123,7 @@ pub async fn token(
 
 /// Query of `GET /v1/admin/audit`; empty values count as absent.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct AuditParams {
     pub subject: Option<String>,
@@ -135,6 +136,7 @@ pub struct AuditParams {
     /// RFC 3339; exclusive.
     pub until: Option<String>,
     /// 1 to 1000; default 100.
+    #[param(value_type = Option<u32>, minimum = 1, maximum = 1000)]
     pub limit: Option<String>,
     /// `next_cursor` of the previous page.
     pub cursor: Option<String>,
@@ -201,6 +203,7 @@ pub async fn audit(
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct StatsParams {
     /// `<n>s|m|h|d`, default `1h`.

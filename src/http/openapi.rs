@@ -49,3 +49,50 @@ impl Modify for BearerAuth {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every path parameter is a `{name}` of its path, and the query strings
+    /// of API.md are query parameters (OpenAPI 3 rejects anything else).
+    #[test]
+    fn parameters_sit_where_the_requests_carry_them() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        let mut query = Vec::new();
+        for (path, item) in doc["paths"].as_object().expect("paths") {
+            for (_, op) in item.as_object().expect("operations") {
+                for p in op["parameters"].as_array().into_iter().flatten() {
+                    let name = p["name"].as_str().expect("name");
+                    match p["in"].as_str() {
+                        Some("path") => assert!(
+                            path.contains(&format!("{{{name}}}")),
+                            "{path}: `{name}` is not in the path"
+                        ),
+                        Some("query") => query.push(format!("{path}?{name}")),
+                        other => panic!("{path}: `{name}` in {other:?}"),
+                    }
+                }
+            }
+        }
+        for want in [
+            "/api/token/generate?bizType",
+            "/api/token/generate?userId",
+            "/v1/admin/audit?cursor",
+            "/v1/admin/audit?limit",
+            "/v1/admin/stats?window",
+        ] {
+            assert!(
+                query.iter().any(|q| q == want),
+                "{want} not a query parameter"
+            );
+        }
+        let limit = &doc["paths"]["/v1/admin/audit"]["get"]["parameters"]
+            .as_array()
+            .expect("parameters")
+            .iter()
+            .find(|p| p["name"] == "limit")
+            .expect("limit")["schema"];
+        assert_eq!(limit["type"], "integer", "{limit}");
+    }
+}

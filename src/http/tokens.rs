@@ -91,6 +91,7 @@ pub async fn issue(
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query, rename_all = "camelCase")]
 #[serde(rename_all = "camelCase")]
 pub struct GenerateQuery {
     /// The biz type.
