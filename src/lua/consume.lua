@@ -14,12 +14,13 @@
 -- ARGV[8..] journal entry fields (field, value pairs), fast mode only
 --
 -- Hash fields: s state (i issued, p provisional, c consumed), o owner,
--- d provisional deadline (ms), at consumed/claimed at (ms), rid, fp, res, dup.
+-- d provisional deadline (ms), at consumed/claimed at (ms), rid, fp, res.
 --
 -- Returns {kind, at, rid, fp, res}:
 --   won         fast mode: consumed now, journal appended
 --   claimed     durable mode: provisional marker set, Postgres decides
---   consumed    consumed before (duplicate counter incremented)
+--   consumed    consumed before (read only: duplicates are counted by the
+--               service, in Postgres's duplicate_attempts)
 --   provisional another attempt holds a live provisional marker
 --   miss        no key (Redis lost it, it expired, or it was never seeded)
 --   issued      peek mode: live and unconsumed
@@ -31,7 +32,6 @@ local h = redis.call('HMGET', key, 's', 'd', 'at', 'rid', 'fp', 'res')
 local s = h[1]
 
 if s == 'c' then
-  redis.call('HINCRBY', key, 'dup', 1)
   return {'consumed', h[3] or '', h[4] or '', h[5] or '', h[6] or ''}
 end
 if s == 'p' and tonumber(h[2] or '0') > now then
