@@ -311,6 +311,19 @@ impl Ledger {
     pub fn fast(&self) -> &Arc<FastTier> {
         &self.fast
     }
+    /// Drops the issue-rate state of pairs whose bucket is full again (they
+    /// behave exactly as if never seen); returns how many pairs are left.
+    pub fn prune_rate_limiters(&self) -> usize {
+        self.limiters
+            .values()
+            .map(|l| {
+                l.retain_recent();
+                l.shrink_to_fit();
+                l.len()
+            })
+            .sum()
+    }
+
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
     }

@@ -103,6 +103,7 @@ impl Application {
                 shutdown.clone(),
             )),
             tokio::spawn(watch_redis(ledger.clone(), shutdown.clone())),
+            tokio::spawn(prune_rate_limiters(ledger.clone(), shutdown.clone())),
         ];
         // The issued-token filter: listen, load, then keep listening. Start-up
         // waits for the first load (bounded): until then it fails open.
@@ -195,6 +196,19 @@ impl Application {
 /// probe) or slow (so that the latency window keeps moving without traffic),
 /// replays the writes queued for Redis once it answers, and re-evaluates the
 /// mode (logged once per change, exported as `ledger_mode`).
+/// Forgets the issue-rate buckets of (client, subject) pairs that are full
+/// again: subjects are chosen by callers, and each one seen would otherwise
+/// hold memory for the life of the process.
+async fn prune_rate_limiters(ledger: Arc<Ledger>, shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(10)) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        ledger.prune_rate_limiters();
+    }
+}
+
 async fn watch_redis(ledger: Arc<Ledger>, shutdown: CancellationToken) {
     loop {
         tokio::select! {

@@ -682,6 +682,26 @@ async fn the_101st_issue_in_a_second_for_one_subject_is_429() {
     assert_eq!(r.status(), StatusCode::CREATED);
 }
 
+/// Subjects are chosen by callers: the issue-rate state of every pair seen
+/// must not live forever. Once a pair's bucket is full again it is dropped,
+/// and the pair behaves as if never seen (its next burst is whole).
+#[tokio::test]
+async fn issue_rate_state_of_idle_subjects_is_forgotten() {
+    let app = spawn_app().await;
+    for i in 0..50 {
+        app.issue(PAYMENTS, "order", &format!("passer-by-{i}"))
+            .await;
+    }
+    // 100/s refills one token per 10 ms: every bucket is full after 20 ms.
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    assert_eq!(app.ledger.prune_rate_limiters(), 0);
+    // A pair that is still draining its bucket is kept (100 at once empty a
+    // bucket that takes 1 s to refill).
+    futures_util::future::join_all((0..100).map(|_| app.issue(PAYMENTS, "order", "busy"))).await;
+    assert_eq!(app.ledger.prune_rate_limiters(), 1);
+    app.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_client_has_a_ceiling_on_every_endpoint() {
     // Default ceiling 5/s; `payments` is given 1000/s of its own.
