@@ -265,8 +265,37 @@ pub async fn run(fast: Arc<FastTier>, pool: PgPool, consumer: String, shutdown: 
 
 /// One round; returns how many entries were applied. With `own_pending`, it
 /// re-reads the entries this consumer holds unacknowledged first (and clears
-/// the flag once there are none).
+/// the flag once there are none). A stream that lost its consumer group
+/// (Redis restarted empty, a failover to a replica without it, the key
+/// deleted) answers NOGROUP: the group is created again next round.
 pub async fn drain_once(
+    fast: &FastTier,
+    pool: &PgPool,
+    key: &str,
+    consumer: &str,
+    group_ready: &mut bool,
+    last_claim: &mut tokio::time::Instant,
+    own_pending: &mut bool,
+) -> anyhow::Result<usize> {
+    let out = drain_round(
+        fast,
+        pool,
+        key,
+        consumer,
+        group_ready,
+        last_claim,
+        own_pending,
+    )
+    .await;
+    if let Err(e) = &out {
+        if format!("{e:#}").contains("NOGROUP") {
+            *group_ready = false;
+        }
+    }
+    out
+}
+
+async fn drain_round(
     fast: &FastTier,
     pool: &PgPool,
     key: &str,
