@@ -65,6 +65,9 @@ impl ConnectionLike for Conn {
     }
 }
 
+/// Journal entries a cluster instance keeps for a later `XADD` at most.
+const JOURNAL_BACKLOG_LIMIT: usize = 100_000;
+
 /// What the consume script found or did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ScriptOutcome {
@@ -138,6 +141,10 @@ pub struct FastTier {
     scripts: Scripts,
     metrics: Arc<Metrics>,
     cluster: bool,
+    /// Cluster only: journal entries of decisions already made whose
+    /// separate `XADD` failed. The decision stands (its caller is told the
+    /// outcome); the entry is appended later ([`FastTier::flush_journal_backlog`]).
+    journal_backlog: std::sync::Mutex<std::collections::VecDeque<Vec<(&'static str, String)>>>,
 }
 
 impl std::fmt::Debug for FastTier {
@@ -200,6 +207,7 @@ impl FastTier {
             },
             metrics,
             cluster,
+            journal_backlog: Default::default(),
         })
     }
 
@@ -402,7 +410,7 @@ impl FastTier {
         mode: ConsumeMode,
         attempt: &Attempt<'_>,
         provisional_ms: i64,
-        journal: &[(&str, String)],
+        journal: &[(&'static str, String)],
     ) -> Result<ScriptOutcome, FastError> {
         let key = self.token_key(token);
         let journal_key = self.journal_key();
@@ -451,9 +459,9 @@ impl FastTier {
         } else if let (ScriptOutcome::Won { at_ms }, ConsumeMode::Fast) = (&outcome, mode) {
             // Cluster: the journal stream is in another slot.
             if !journal.is_empty() {
-                let mut entry: Vec<(&str, String)> = journal.to_vec();
+                let mut entry: Vec<(&'static str, String)> = journal.to_vec();
                 entry.push(("at", at_ms.to_string()));
-                self.append_journal(&entry).await?;
+                self.append_or_queue(entry).await;
             }
         }
         Ok(outcome)
@@ -567,7 +575,7 @@ impl FastTier {
         token: &str,
         op: &'static str,
         arg: String,
-        journal: &[(&str, String)],
+        journal: &[(&'static str, String)],
     ) -> Result<FastWrite, FastError> {
         let key = self.token_key(token);
         let journal_key = self.journal_key();
@@ -608,9 +616,49 @@ impl FastTier {
             && matches!(out, FastWrite::Recorded | FastWrite::Released)
             && !journal.is_empty()
         {
-            self.append_journal(journal).await?;
+            self.append_or_queue(journal.to_vec()).await;
         }
         Ok(out)
+    }
+
+    /// Cluster: appends the journal entry of a decision the script already
+    /// made. A failure must not turn that decision into an error for its
+    /// caller (the token is consumed or released in Redis whatever we
+    /// answer), so the entry waits in the backlog instead.
+    async fn append_or_queue(&self, entry: Vec<(&'static str, String)>) {
+        if let Err(e) = self.append_journal(&entry).await {
+            let mut q = self
+                .journal_backlog
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if q.len() < JOURNAL_BACKLOG_LIMIT {
+                tracing::debug!(error = %e, "journal entry queued for a later XADD");
+                q.push_back(entry);
+            } else {
+                tracing::error!(error = %e, "journal backlog full: a fast-type decision will not reach postgres");
+            }
+        }
+    }
+
+    /// Appends the queued journal entries, oldest first; returns how many
+    /// are left (0 on a standalone Redis, whose scripts append in place).
+    pub async fn flush_journal_backlog(&self) -> usize {
+        loop {
+            let next = self
+                .journal_backlog
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pop_front();
+            let Some(entry) = next else { return 0 };
+            if self.append_journal(&entry).await.is_err() {
+                let mut q = self
+                    .journal_backlog
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                q.push_front(entry);
+                return q.len();
+            }
+        }
     }
 
     /// One probe: PING, bounded by the timeout. Closes the breaker on success

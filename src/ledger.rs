@@ -982,33 +982,35 @@ impl Ledger {
     /// consumes is dropped: Redis knows them now.
     pub async fn resync_redis(&self) -> usize {
         let mut replayed = 0usize;
-        let left = loop {
-            let next = {
-                let mut q = self.resync.lock().unwrap_or_else(|p| p.into_inner());
-                q.pop_front()
-            };
-            let Some(item) = next else { break 0 };
-            let done = match &item {
-                Resync::Consumed { token, marker } => {
-                    self.fast.settle_consumed(token, None, marker, true).await
+        let journal_left = self.fast.flush_journal_backlog().await;
+        let left = journal_left
+            + loop {
+                let next = {
+                    let mut q = self.resync.lock().unwrap_or_else(|p| p.into_inner());
+                    q.pop_front()
+                };
+                let Some(item) = next else { break 0 };
+                let done = match &item {
+                    Resync::Consumed { token, marker } => {
+                        self.fast.settle_consumed(token, None, marker, true).await
+                    }
+                    Resync::Forget { token } => self.fast.forget(token).await,
+                    Resync::FastConsumed {
+                        token,
+                        marker,
+                        journal,
+                    } => match self.fast.settle_consumed(token, None, marker, true).await {
+                        Ok(()) => self.fast.append_journal(journal).await,
+                        Err(e) => Err(e),
+                    },
+                };
+                if done.is_err() {
+                    let mut q = self.resync.lock().unwrap_or_else(|p| p.into_inner());
+                    q.push_front(item);
+                    break q.len();
                 }
-                Resync::Forget { token } => self.fast.forget(token).await,
-                Resync::FastConsumed {
-                    token,
-                    marker,
-                    journal,
-                } => match self.fast.settle_consumed(token, None, marker, true).await {
-                    Ok(()) => self.fast.append_journal(journal).await,
-                    Err(e) => Err(e),
-                },
+                replayed += 1;
             };
-            if done.is_err() {
-                let mut q = self.resync.lock().unwrap_or_else(|p| p.into_inner());
-                q.push_front(item);
-                break q.len();
-            }
-            replayed += 1;
-        };
         self.metrics.resync_depth.set(left as i64);
         if replayed > 0 {
             tracing::info!(

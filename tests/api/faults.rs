@@ -1006,3 +1006,67 @@ async fn redis_cluster_exactly_once_and_after_a_master_fails_over() {
         assert!(consumed.iter().all(|&n| n == 1), "{biz}: {consumed:?}");
     }
 }
+
+/// On a cluster the journal stream is in another slot, so a fast consume's
+/// journal entry is a second command after the script. When that command
+/// fails (here: the journal key is not a stream), the script's decision still
+/// stands: the caller hears `consumed` (not a 503 that would make its
+/// retry a `duplicate`), and the entry reaches Postgres once Redis answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cluster_fast_consume_whose_journal_append_fails_still_wins() {
+    let cluster = Cluster::start();
+    let app = Arc::new(
+        spawn_app_on(
+            Stores::fresh()
+                .redis("")
+                .with(&cluster.config_line())
+                .with(QUICK_BREAKER),
+        )
+        .await,
+    );
+    assert_eq!(wait_mode(&app, 5, "normal").await["redis"], "up");
+    // The journal's key made unusable for XADD (a string, not a stream): the
+    // append after the script fails with an error reply.
+    let journal = format!("{}journal", app.stores.prefix);
+    let port = cluster.nodes[0].port;
+    assert_eq!(
+        redis_cli(port, &["-c", "set", &journal, "not-a-stream"]).trim(),
+        "OK"
+    );
+    let subject = "fan".to_owned();
+    let token = app.issue(PAYMENTS, "like", &subject).await;
+    let body = json!({"subject": subject});
+    let answered = consume(&app, &token, &body).await;
+    assert_eq!(redis_cli(port, &["-c", "del", &journal]).trim(), "1");
+    let (s, _, answer) = answered;
+    assert_eq!(
+        (s, answer["outcome"].as_str()),
+        (StatusCode::OK, Some("consumed")),
+        "{answer}"
+    );
+    // The journal entry arrives once the node answers again.
+    let pool = app.pg().await;
+    eventually(20, || {
+        let pool = pool.clone();
+        let token = token.clone();
+        async move {
+            let state: String =
+                sqlx::query_scalar("SELECT state::text FROM tokens WHERE token = $1")
+                    .bind(&token)
+                    .fetch_one(&pool)
+                    .await
+                    .ok()?;
+            (state == "consumed").then_some(())
+        }
+    })
+    .await;
+    eventually(10, || {
+        let app = app.clone();
+        let (token, body) = (token.clone(), body.clone());
+        async move {
+            let (s, _, again) = consume(&app, &token, &body).await;
+            (s == StatusCode::OK && again["outcome"] == "duplicate").then_some(())
+        }
+    })
+    .await;
+}
