@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use utoipa::ToSchema;
 
 use super::error::ApiError;
-use super::extract::{BodyLimit, Caller, JsonBody};
+use super::extract::{BodyLimit, Caller, OptionalJsonBody};
 use super::tokens::path_token;
 use super::AppState;
 use crate::admin::{self, AdminError, AuditQuery, Window};
@@ -232,7 +232,7 @@ pub async fn stats(
     Ok(HttpResponse::Ok().json(stats))
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReconcileRequest {
     /// Find and report only. Default false.
@@ -245,7 +245,8 @@ pub struct ReconcileRequest {
 impl BodyLimit for ReconcileRequest {}
 
 /// Run a reconciliation now and answer its report.
-#[utoipa::path(post, path = "/v1/admin/reconcile", tag = "admin", request_body = ReconcileRequest,
+#[utoipa::path(post, path = "/v1/admin/reconcile", tag = "admin",
+    request_body(content = Option<ReconcileRequest>, description = "Optional: no body (and no Content-Type) is `{}`, a real run over everything"),
     security(("api_key" = [])),
     responses(
         (status = 200, description = "The report", body = reconcile::Report),
@@ -257,7 +258,7 @@ impl BodyLimit for ReconcileRequest {}
 pub async fn run_reconcile(
     state: web::Data<AppState>,
     ReconcilerCaller(caller): ReconcilerCaller,
-    JsonBody(body): JsonBody<ReconcileRequest>,
+    OptionalJsonBody(body): OptionalJsonBody<ReconcileRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let since = body
         .since

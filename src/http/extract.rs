@@ -129,6 +129,32 @@ impl<T: DeserializeOwned + BodyLimit + 'static> FromRequest for JsonBody<T> {
     }
 }
 
+/// A JSON body that may be left out altogether (every field of `T` is
+/// optional): a request with no `Content-Type` and no body is `T::default()`;
+/// anything else is read exactly like [`JsonBody`] (API.md: 415 only "where a
+/// body is required").
+#[derive(Debug)]
+pub struct OptionalJsonBody<T>(pub T);
+
+impl<T: DeserializeOwned + BodyLimit + Default + 'static> FromRequest for OptionalJsonBody<T> {
+    type Error = ApiError;
+    type Future = Pin<Box<dyn Future<Output = Result<OptionalJsonBody<T>, ApiError>>>>;
+
+    fn from_request(req: &HttpRequest, payload: &mut Payload) -> Self::Future {
+        let headers = req.headers();
+        let no_body = !headers.contains_key(header::CONTENT_TYPE)
+            && headers
+                .get(header::CONTENT_LENGTH)
+                .is_none_or(|v| v.as_bytes() == b"0")
+            && !headers.contains_key(header::TRANSFER_ENCODING);
+        if no_body {
+            return Box::pin(std::future::ready(Ok(OptionalJsonBody(T::default()))));
+        }
+        let body = JsonBody::<T>::from_request(req, payload);
+        Box::pin(async move { body.await.map(|JsonBody(t)| OptionalJsonBody(t)) })
+    }
+}
+
 /// Whether arrays and objects in `body` nest deeper than `max`. A linear scan
 /// that skips strings; it runs before the parser, so a deeply nested body
 /// costs one pass over at most the body limit, never a deep recursion.

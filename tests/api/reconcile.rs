@@ -486,11 +486,30 @@ async fn dry_run_and_since_over_http_and_cli_change_nothing() {
     );
     assert_eq!(state_of(&mut r, &app.token_key(&token)).await, None);
 
-    // The reconciler role may run it; the real run over HTTP repairs.
+    // A body that is not JSON is refused and runs nothing.
     let resp = app
-        .post("dev-reconciler-key", "/v1/admin/reconcile", &json!({}))
-        .await;
+        .http
+        .post(app.url("/v1/admin/reconcile"))
+        .bearer_auth("dev-reconciler-key")
+        .header("content-type", "text/plain")
+        .body("dry_run")
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(resp.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    assert_eq!(state_of(&mut r, &app.token_key(&token)).await, None);
+
+    // The reconciler role may run it, with no body at all (a cron's
+    // `curl -X POST`): a real run, which repairs.
+    let resp = app
+        .http
+        .post(app.url("/v1/admin/reconcile"))
+        .bearer_auth("dev-reconciler-key")
+        .send()
+        .await
+        .expect("sent");
     let (s, _, body) = answer(resp).await;
+    assert_eq!(body["dry_run"], false, "{body}");
     assert_eq!(s, StatusCode::OK, "{body}");
     assert_eq!(body["repaired"]["redis_missing_but_live"], 1, "{body}");
     assert_eq!(
