@@ -52,12 +52,6 @@ pub enum AdminError {
     Postgres(#[from] DurableError),
 }
 
-impl AdminError {
-    pub fn is_unavailable(&self) -> bool {
-        matches!(self, AdminError::Postgres(e) if e.is_unavailable())
-    }
-}
-
 /// RFC 3339 UTC with milliseconds, as every time in the API.
 pub fn time(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Millis, true)

@@ -81,11 +81,7 @@ pub enum LedgerError {
 
 impl LedgerError {
     /// Postgres unreachable: 503; anything else: 500.
-    pub fn from_durable(e: DurableError) -> LedgerError {
-        Self::postgres(e)
-    }
-
-    fn postgres(e: DurableError) -> LedgerError {
+    pub fn postgres(e: DurableError) -> LedgerError {
         match e {
             DurableError::Unavailable(_) | DurableError::TimedOut(_) => LedgerError::Unavailable {
                 what: "postgres",

@@ -224,7 +224,7 @@ pub enum OrderError {
 
 impl From<DurableError> for OrderError {
     fn from(e: DurableError) -> Self {
-        OrderError::Ledger(LedgerError::from_durable(e))
+        OrderError::Ledger(LedgerError::postgres(e))
     }
 }
 

@@ -49,19 +49,10 @@ impl From<ReconcileError> for ApiError {
     }
 }
 
+/// Postgres errors answer as everywhere else: 503 `unavailable` with
+/// `Retry-After` when it cannot be reached, 500 otherwise.
 fn postgres(e: crate::durable::DurableError) -> ApiError {
-    if e.is_unavailable() {
-        let mut err = ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "unavailable",
-            "postgres is unavailable; retry",
-        );
-        err.retry_after = Some(1);
-        err.source = Some(e.into());
-        err
-    } else {
-        ApiError::internal(e.into())
-    }
+    crate::ledger::LedgerError::postgres(e).into()
 }
 
 fn authorize(req: &HttpRequest, allowed: &[Role]) -> Result<Client, ApiError> {

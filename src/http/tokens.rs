@@ -2,7 +2,6 @@
 //! Handlers parse, call the ledger, and shape the answer; nothing else.
 
 use actix_web::{web, HttpResponse};
-use chrono::{DateTime, SecondsFormat, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 use utoipa::ToSchema;
@@ -16,9 +15,7 @@ use crate::token::MAX_TOKEN_LEN;
 
 pub const REPLAYED: &str = "Idempotent-Replayed";
 
-pub fn rfc3339(t: DateTime<Utc>) -> String {
-    t.to_rfc3339_opts(SecondsFormat::Millis, true)
-}
+pub use crate::admin::time as rfc3339;
 
 fn parse<T, E: std::fmt::Display>(r: Result<T, E>) -> Result<T, ApiError> {
     r.map_err(|e| ApiError::invalid(e.to_string()))
