@@ -421,7 +421,18 @@ impl Ledger {
             issued_at: ms_to_time(id.timestamp_ms()).unwrap_or_else(Utc::now),
             expires_at,
         };
-        // Redis first (before answering, when it is up), with a relative TTL.
+        // The issuance record (batched to Postgres) first: it is the audit
+        // row `token.issued` and what tells the fleet's bloom filters the
+        // token is genuine, so a token whose record cannot be kept is not
+        // issued at all, whatever its durability.
+        if !self.writer.issued(record) {
+            return Err(LedgerError::Unavailable {
+                what: "postgres (issuance buffer full)",
+                retry_after_secs: 1,
+                source: None,
+            });
+        }
+        // Then Redis (before answering, when it is up), with a relative TTL.
         // A durable token needs no seed (a consume claims a missing key too),
         // so the degraded sample skips it. A token issued while Redis is down
         // is not seeded later either: its consume misses in Redis and goes to
@@ -438,13 +449,6 @@ impl Ledger {
             Err(e) => {
                 tracing::debug!(error = %e, "token not seeded in redis; consumes fall through to postgres")
             }
-        }
-        if !self.writer.issued(record) && settings.durability == Durability::Durable {
-            return Err(LedgerError::Unavailable {
-                what: "postgres (issuance buffer full)",
-                retry_after_secs: 1,
-                source: None,
-            });
         }
         self.metrics
             .tokens_issued

@@ -681,6 +681,66 @@ async fn postgres_restarted_behind_idle_connections_costs_503s_at_most() {
     assert_eq!(audited, 20);
 }
 
+/// While Postgres is down, issuance records wait in a bounded buffer. Once it
+/// is full, issuing answers 503 for fast types too: a token without its record
+/// has no `token.issued` row and would be refused as forged by the other
+/// instances' bloom filters. What was issued reaches Postgres afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_issuance_buffer_refuses_issuing_for_every_biz_type() {
+    let pg = PgProc::start();
+    let app = spawn_app_on(
+        Stores::fresh()
+            .postgres(&pg.base())
+            .with("tokens.issue_buffer = 20\npostgres.acquire_timeout = \"1s\""),
+    )
+    .await;
+    pg.stop_immediate();
+    let mut issued = 0;
+    let mut refused = std::collections::HashSet::new();
+    for i in 0..2_000 {
+        let biz = if i % 2 == 0 { "like" } else { "order" };
+        let r = app
+            .post(
+                PAYMENTS,
+                "/v1/tokens",
+                &json!({"biz_type": biz, "subject": format!("b{i}")}),
+            )
+            .await;
+        let (s, _, body) = answer(r).await;
+        match s {
+            StatusCode::CREATED => issued += 1,
+            StatusCode::SERVICE_UNAVAILABLE => {
+                assert_eq!(body["error"], "unavailable", "{body}");
+                refused.insert(biz);
+            }
+            other => panic!("{other}: {body}"),
+        }
+        if refused.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(
+        refused.len(),
+        2,
+        "both biz types refused once the buffer is full"
+    );
+    assert!(issued >= 20, "{issued} issued before the buffer was full");
+    pg.start_again();
+    let pool = app.pg().await;
+    eventually(30, || {
+        let pool = pool.clone();
+        async move {
+            let n: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM audit_events WHERE kind = 'token.issued'")
+                    .fetch_one(&pool)
+                    .await
+                    .ok()?;
+            (n == issued).then_some(())
+        }
+    })
+    .await;
+}
+
 // ---- the service SIGKILLed mid-load -----------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
