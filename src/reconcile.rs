@@ -437,7 +437,10 @@ impl Run<'_> {
         }
         let ids: Vec<i64> = suspects.iter().map(|&i| page[i].1.as_i64()).collect();
         let rows = sql::tokens_by_ids(self.pool(), &ids).await?;
+        // A Redis error stops the page, but the repairs made before it are
+        // still audited (then the error ends the phase).
         let mut repairs = Vec::new();
+        let mut failed: Option<PhaseError> = None;
         for i in suspects {
             let (text, id, exp_ms) = &page[i];
             let row = rows.get(&id.as_i64());
@@ -447,9 +450,19 @@ impl Run<'_> {
                         continue;
                     };
                     self.found.redis_live_but_consumed += 1;
-                    if !self.opts.dry_run && self.r.fast.drop_if_issued(text).await? {
-                        self.repaired.redis_live_but_consumed += 1;
-                        repairs.push(repair_of("redis_live_but_consumed", "deleted", t));
+                    if self.opts.dry_run {
+                        continue;
+                    }
+                    match self.r.fast.drop_if_issued(text).await {
+                        Ok(true) => {
+                            self.repaired.redis_live_but_consumed += 1;
+                            repairs.push(repair_of("redis_live_but_consumed", "deleted", t));
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            failed = Some(e.into());
+                            break;
+                        }
                     }
                 }
                 KeyState::Provisional { .. } => {
@@ -460,12 +473,19 @@ impl Run<'_> {
                     let consumed = row.filter(|t| t.state == TokenState::Consumed);
                     let remaining = row.map(|t| t.remaining_ms).unwrap_or(exp_ms - redis_now);
                     let marker = consumed.map(marker_of);
-                    if self
+                    let cleared = match self
                         .r
                         .fast
                         .clear_stale(text, remaining, marker.as_ref())
-                        .await?
+                        .await
                     {
+                        Ok(cleared) => cleared,
+                        Err(e) => {
+                            failed = Some(e.into());
+                            break;
+                        }
+                    };
+                    if cleared {
                         self.repaired.stale_provisional += 1;
                         let action = if consumed.is_some() {
                             "marked_consumed"
@@ -493,6 +513,9 @@ impl Run<'_> {
             }
         }
         sql::record_repairs(self.pool(), &repairs).await?;
+        if let Some(e) = failed {
+            return Err(e);
+        }
         self.progress.advance(page.len() as u64);
         Ok(())
     }
@@ -548,11 +571,15 @@ impl Run<'_> {
                         .buffer_unordered(RESEED_IN_FLIGHT)
                         .collect()
                         .await;
+                // Seeds made before a Redis error are still checked and
+                // audited below; the error ends the phase afterwards.
                 let mut seeded = Vec::new();
+                let mut failed: Option<PhaseError> = None;
                 for o in outcomes {
-                    let (ok, t) = o?;
-                    if ok {
-                        seeded.push(t);
+                    match o {
+                        Ok((true, t)) => seeded.push(t),
+                        Ok((false, _)) => {}
+                        Err(e) => failed = failed.or(Some(e.into())),
                     }
                 }
                 // A consume may have won in Postgres between our read and the
@@ -565,7 +592,9 @@ impl Run<'_> {
                 let mut repairs = Vec::new();
                 for t in seeded {
                     if won.contains(&t.id) {
-                        self.r.fast.drop_if_issued(&t.token).await?;
+                        if let Err(e) = self.r.fast.drop_if_issued(&t.token).await {
+                            failed = failed.or(Some(e.into()));
+                        }
                         continue;
                     }
                     self.repaired.redis_missing_but_live += 1;
@@ -581,6 +610,9 @@ impl Run<'_> {
                     });
                 }
                 sql::record_repairs(self.pool(), &repairs).await?;
+                if let Some(e) = failed {
+                    return Err(e);
+                }
             }
             self.progress.advance(page.len() as u64);
         }
