@@ -107,7 +107,7 @@ pub struct TokenView {
     pub consumed_at: Option<String>,
     pub fingerprint: Option<String>,
     pub request_id: Option<String>,
-    #[schema(value_type = Object, nullable = true)]
+    /// Any JSON value, as recorded.
     pub result: Option<Json>,
     /// Consume attempts answered `duplicate` (flushed every few seconds).
     pub duplicate_attempts: i64,

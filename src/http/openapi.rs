@@ -95,4 +95,35 @@ mod tests {
             .expect("limit")["schema"];
         assert_eq!(limit["type"], "integer", "{limit}");
     }
+
+    /// A result is any JSON value (API.md), not only an object.
+    #[test]
+    fn results_are_any_json() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        let schemas = &doc["components"]["schemas"];
+        for (schema, field) in [("ResultRequest", "result"), ("TokenView", "result")] {
+            let s = &schemas[schema]["properties"][field];
+            assert!(s.is_object(), "{schema}.{field} missing");
+            assert_ne!(s["type"], "object", "{schema}.{field}: {s}");
+        }
+    }
+
+    /// An order event declares each status it can answer, not one 409 whose
+    /// description lists the rest.
+    #[test]
+    fn order_events_declare_every_status() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        for event in ["pay", "refund", "close"] {
+            let responses =
+                &doc["paths"][format!("/v1/orders/{{order_id}}/{event}")]["post"]["responses"];
+            for status in [
+                "200", "400", "401", "403", "404", "409", "413", "415", "422", "429", "503",
+            ] {
+                assert!(
+                    responses[status].is_object(),
+                    "{event}: no {status} in {responses}"
+                );
+            }
+        }
+    }
 }

@@ -246,7 +246,52 @@ async fn apply(
     })
 }
 
-const EVENT_ERRORS: &str = "400 invalid_request/token_invalid/token_expired, 403 token_mismatch/forbidden, 404 order_not_found, 409 illegal_transition (with `state`)/refund_exceeds_paid/token_already_used, 422 durable_token_required/unknown_biz_type/fingerprint_mismatch, 503 unavailable";
+/// The refusals of an order event, one response per status (OpenAPI).
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+enum EventErrors {
+    #[response(
+        status = 400,
+        description = "invalid_request, token_invalid, token_expired"
+    )]
+    BadRequest(super::ErrorBody),
+    #[response(status = 401, description = "unauthorized")]
+    Unauthorized(super::ErrorBody),
+    #[response(
+        status = 403,
+        description = "token_mismatch (the token is not bound to the order's subject and this client), forbidden (biz type not granted)"
+    )]
+    Forbidden(super::ErrorBody),
+    #[response(
+        status = 404,
+        description = "order_not_found (also another client's order, or a malformed order id)"
+    )]
+    NotFound(super::ErrorBody),
+    #[response(
+        status = 409,
+        description = "illegal_transition (with `state`), refund_exceeds_paid (with `refundable_minor`), token_already_used"
+    )]
+    Conflict(super::ErrorBody),
+    #[response(status = 413, description = "payload_too_large")]
+    TooLarge(super::ErrorBody),
+    #[response(status = 415, description = "unsupported_media_type")]
+    MediaType(super::ErrorBody),
+    #[response(
+        status = 422,
+        description = "durable_token_required, unknown_biz_type, fingerprint_mismatch"
+    )]
+    Unprocessable(super::ErrorBody),
+    #[response(
+        status = 429,
+        description = "rate_limited (the client's request ceiling), with Retry-After"
+    )]
+    RateLimited(super::ErrorBody),
+    #[response(
+        status = 503,
+        description = "unavailable (Postgres), with Retry-After; nothing changed"
+    )]
+    Unavailable(super::ErrorBody),
+}
 
 /// Pay: CREATED -> PAID, consuming the token in the same transaction.
 #[utoipa::path(post, path = "/v1/orders/{order_id}/pay", tag = "orders", request_body = PayRequest,
@@ -254,7 +299,7 @@ const EVENT_ERRORS: &str = "400 invalid_request/token_invalid/token_expired, 403
     security(("api_key" = [])),
     responses(
         (status = 200, description = "applied; or duplicate / a retry of the winning request_id (Idempotent-Replayed: true)", body = EventResponse),
-        (status = 409, description = EVENT_ERRORS, body = super::ErrorBody),
+        EventErrors,
     ))]
 pub async fn pay(
     state: web::Data<AppState>,
@@ -283,7 +328,7 @@ pub async fn pay(
     security(("api_key" = [])),
     responses(
         (status = 200, description = "applied; or duplicate (Idempotent-Replayed: true)", body = EventResponse),
-        (status = 409, description = EVENT_ERRORS, body = super::ErrorBody),
+        EventErrors,
     ))]
 pub async fn refund(
     state: web::Data<AppState>,
@@ -318,7 +363,7 @@ pub async fn refund(
     security(("api_key" = [])),
     responses(
         (status = 200, description = "applied; or duplicate (Idempotent-Replayed: true)", body = EventResponse),
-        (status = 409, description = EVENT_ERRORS, body = super::ErrorBody),
+        EventErrors,
     ))]
 pub async fn close(
     state: web::Data<AppState>,

@@ -200,7 +200,7 @@ pub enum ConsumeResponse {
         /// `processing` (no result yet) or `completed`.
         status: &'static str,
         consumed_at: Option<String>,
-        #[schema(value_type = Object, nullable = true)]
+        /// Any JSON value (object, array, string, number, boolean).
         result: Option<Json>,
     },
 }
@@ -271,7 +271,7 @@ pub async fn consume(
 pub struct ResultRequest {
     pub subject: String,
     /// Any JSON; replayed to later duplicates.
-    #[schema(value_type = Object)]
+    /// Any JSON value (object, array, string, number, boolean, null).
     pub result: Json,
 }
 impl BodyLimit for ResultRequest {
