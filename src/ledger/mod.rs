@@ -1,5 +1,40 @@
-//! The ledger (being split into files that follow the protocol).
+//! The ledger: issue, consume, result and release. The only module that talks
+//! to both tiers, and so the one that owns the consume protocol:
+//!
+//! 1. verify the token (tag, binding, biz type) and ask the fleet's filter of
+//!    issued ids ([`crate::bloom`]) whether it was ever issued: no I/O;
+//! 2. Redis, one script: a consumed marker answers `duplicate` at once; for a
+//!    durable type an unconsumed token gets a provisional marker (ours, with a
+//!    deadline) and Postgres decides; for a fast type Redis decides;
+//! 3. Postgres, one statement (durable types, or when Redis does not know the
+//!    token): the primary key decides first use, `now()` decides expiry;
+//! 4. Redis learns the decision afterwards, off the answer's path. A
+//!    provisional marker past its deadline counts as absent, so a crash
+//!    between 2 and 4 never burns a token.
+//!
+//! Degraded modes ([`crate::health`]): while Redis is slow a sample of durable
+//! consumes skips step 2; while it is down durable consumes skip it, and fast
+//! consumes go to Postgres behind a per-instance cache and rate limit (or, with
+//! Postgres down too, are decided by this instance alone); what Redis missed
+//! meanwhile is written to it when it is back.
+//!
+//! The files follow the protocol:
+//! - [`api`]: what callers pass and get back, and [`LedgerError`];
+//! - `core`: the [`Ledger`] itself and the checks every operation shares
+//!   (step 1);
+//! - `issue`: issuing, its rate limit and the Redis seed;
+//! - `consume`: steps 2 to 4, with `classify` and `answer_from_row`, which
+//!   turn what an earlier consume left behind into an answer;
+//! - `degraded`: fast consumes while Redis is skipped, and the queue of
+//!   Redis writes replayed when it is back;
+//! - `result`: result and release.
 
+pub mod api;
 mod consume;
+mod core;
+mod degraded;
+mod issue;
+mod result;
 
-pub use consume::*;
+pub use api::{ConsumeAnswer, ConsumeInput, DuplicateStatus, Issued, LedgerError, ResultAnswer};
+pub use core::Ledger;

@@ -1,0 +1,107 @@
+//! What callers of the ledger pass in and get back: the parsed consume
+//! request, the answers, and [`LedgerError`], which the HTTP layer maps to a
+//! status and code.
+
+use chrono::{DateTime, Utc};
+use serde_json::Value as Json;
+
+use crate::domain::{BizType, Fingerprint, RequestId, Subject};
+use crate::durable::DurableError;
+
+/// Why the ledger refused; the HTTP layer maps each to a status and code.
+#[derive(Debug, thiserror::Error)]
+pub enum LedgerError {
+    #[error("{0}")]
+    InvalidRequest(String),
+    #[error("the token is malformed, forged or signed by an unknown key")]
+    TokenInvalid,
+    #[error("the token expired before it was consumed; fetch a new one")]
+    TokenExpired,
+    #[error("the token was issued to another subject or client, or for another biz type")]
+    TokenMismatch,
+    #[error("unknown biz type `{0}`")]
+    UnknownBizType(String),
+    #[error("this client may not use biz type `{0}`")]
+    Forbidden(String),
+    #[error("the token was consumed earlier with another fingerprint")]
+    FingerprintMismatch,
+    #[error("a different result is already recorded for this token")]
+    ResultAlreadySet,
+    #[error("the token is not consumed")]
+    NotConsumed,
+    #[error("the token cannot be released (not consumed, or it has a result or an order event)")]
+    NotReleasable,
+    #[error("too many tokens issued for this subject; retry in {retry_after_secs} s")]
+    RateLimited { retry_after_secs: u64 },
+    #[error("{what} is unavailable; nothing changed, retry")]
+    Unavailable {
+        what: &'static str,
+        retry_after_secs: u64,
+        #[source]
+        source: Option<anyhow::Error>,
+    },
+    #[error("internal error")]
+    Internal(#[from] anyhow::Error),
+}
+
+impl LedgerError {
+    /// Postgres unreachable: 503; anything else: 500.
+    pub fn postgres(e: DurableError) -> LedgerError {
+        match e {
+            DurableError::Unavailable(_) | DurableError::TimedOut(_) => LedgerError::Unavailable {
+                what: "postgres",
+                retry_after_secs: 1,
+                source: Some(e.into()),
+            },
+            DurableError::Other(_) => LedgerError::Internal(e.into()),
+        }
+    }
+}
+
+/// A freshly issued token.
+#[derive(Debug, Clone)]
+pub struct Issued {
+    pub token: String,
+    pub biz_type: BizType,
+    pub subject: Subject,
+    pub expires_at: DateTime<Utc>,
+    pub ttl_seconds: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DuplicateStatus {
+    Processing,
+    Completed,
+}
+
+/// The answer to a consume.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ConsumeAnswer {
+    /// This attempt (or an earlier try of the same `request_id`) consumed it.
+    Consumed {
+        consumed_at: DateTime<Utc>,
+        replayed: bool,
+    },
+    /// Another attempt consumed it.
+    Duplicate {
+        status: DuplicateStatus,
+        consumed_at: Option<DateTime<Utc>>,
+        result: Option<Json>,
+    },
+}
+
+/// A consume request, parsed.
+#[derive(Debug, Clone)]
+pub struct ConsumeInput {
+    pub subject: Subject,
+    pub biz_type: Option<BizType>,
+    pub fingerprint: Option<Fingerprint>,
+    pub request_id: Option<RequestId>,
+}
+
+/// Whether a result was recorded now or had been already (same value).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResultAnswer {
+    Recorded,
+    AlreadyRecorded,
+}

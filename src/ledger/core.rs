@@ -1,0 +1,224 @@
+//! The [`Ledger`]: what it holds, how it is built, and the checks every
+//! operation shares (token tag, the fleet's filter, biz type known and
+//! granted, the binding to client and subject), all without I/O.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, TimeZone, Utc};
+
+use super::degraded::{Fallback, ResyncQueue};
+use super::issue::IssueLimits;
+use super::LedgerError;
+use crate::auth::Client;
+use crate::bloom::{IssuedFilter, Verdict};
+use crate::config::{BizSettings, Settings};
+use crate::domain::{BizType, Subject};
+use crate::durable::tokens::TokenRecord;
+use crate::durable::Pools;
+use crate::fast::FastTier;
+use crate::lease::WorkerLease;
+use crate::metrics::{Metrics, Stat};
+use crate::token::{Clock, TokenCodec, TokenError, VerifiedToken};
+use crate::writer::Writer;
+
+pub(super) fn ms_to_time(ms: i64) -> Option<DateTime<Utc>> {
+    (ms > 0)
+        .then(|| Utc.timestamp_millis_opt(ms).single())
+        .flatten()
+}
+
+/// Issue, consume, result and release over both tiers. Built once at start
+/// ([`crate::startup`]) and shared by every handler.
+pub struct Ledger {
+    pub(super) settings: Arc<Settings>,
+    pub(super) codec: TokenCodec,
+    pub(super) clock: Arc<dyn Clock>,
+    pub(super) lease: Arc<WorkerLease>,
+    pub(super) fast: Arc<FastTier>,
+    pub(super) pools: Pools,
+    pub(super) metrics: Arc<Metrics>,
+    pub(super) writer: Writer,
+    pub(super) limiters: IssueLimits,
+    pub(super) resync: Arc<ResyncQueue>,
+    pub(super) fallback: Fallback,
+    pub(super) bloom: Arc<IssuedFilter>,
+}
+
+impl std::fmt::Debug for Ledger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ledger")
+            .field("worker_id", &self.lease.worker_id())
+            .finish()
+    }
+}
+
+pub(super) fn ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+impl Ledger {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        settings: Arc<Settings>,
+        clock: Arc<dyn Clock>,
+        lease: Arc<WorkerLease>,
+        fast: Arc<FastTier>,
+        pools: Pools,
+        metrics: Arc<Metrics>,
+        writer: Writer,
+    ) -> Ledger {
+        let bloom = Arc::new(IssuedFilter::new(settings.bloom.clone(), metrics.clone()));
+        Ledger {
+            fallback: Fallback::new(&settings.redis),
+            limiters: IssueLimits::new(&settings),
+            bloom,
+            codec: TokenCodec::new(settings.tokens.signing_keys.clone()),
+            settings,
+            clock,
+            lease,
+            fast,
+            pools,
+            metrics,
+            writer,
+            resync: Arc::new(ResyncQueue::default()),
+        }
+    }
+
+    pub fn codec(&self) -> &TokenCodec {
+        &self.codec
+    }
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+    pub fn pools(&self) -> &Pools {
+        &self.pools
+    }
+    pub fn fast(&self) -> &Arc<FastTier> {
+        &self.fast
+    }
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+    /// The fleet-wide filter of issued token ids.
+    pub fn bloom(&self) -> &Arc<IssuedFilter> {
+        &self.bloom
+    }
+    pub fn worker_id(&self) -> u16 {
+        self.lease.worker_id()
+    }
+
+    /// `normal`, `degraded` (Redis slow) or `redis_down` (breaker open).
+    pub fn mode(&self) -> &'static str {
+        self.fast.mode().as_str()
+    }
+
+    /// The biz type's settings, if it is configured (422) and granted (403).
+    pub fn biz_settings_for(
+        &self,
+        caller: &Client,
+        biz: &BizType,
+    ) -> Result<&BizSettings, LedgerError> {
+        let settings = self
+            .settings
+            .biz(biz)
+            .ok_or_else(|| LedgerError::UnknownBizType(biz.to_string()))?;
+        if !caller.may_use(biz) {
+            return Err(LedgerError::Forbidden(biz.to_string()));
+        }
+        Ok(settings)
+    }
+
+    // ---- shared checks ----------------------------------------------------
+
+    /// Verifies a presented token for `caller` and `subject`: the checks of
+    /// API.md in their order (token: tag, then whether the fleet issued it;
+    /// biz known, biz granted, binding). No I/O.
+    pub fn authorize(
+        &self,
+        caller: &Client,
+        text: &str,
+        subject: &Subject,
+        biz_type: Option<&BizType>,
+    ) -> Result<(VerifiedToken, &BizSettings), LedgerError> {
+        let token = self.verify(text)?;
+        self.issued_by_fleet(&token)?;
+        let settings = self.biz_settings_for(caller, &token.claims.biz_type)?;
+        if !self
+            .codec
+            .is_bound_to(&token, &caller.name, subject.as_str())
+            || biz_type.is_some_and(|b| *b != token.claims.biz_type)
+        {
+            self.count_consume(&token.claims.biz_type, "mismatch", None);
+            return Err(LedgerError::TokenMismatch);
+        }
+        Ok((token, settings))
+    }
+
+    /// Parses and verifies the tag only.
+    pub fn verify(&self, text: &str) -> Result<VerifiedToken, LedgerError> {
+        self.codec.verify(text).map_err(|e: TokenError| {
+            let prefix = text.split('_').next().unwrap_or("");
+            self.count_invalid(BizType::parse(prefix).ok().as_ref());
+            tracing::debug!(reason = %e, "token refused");
+            LedgerError::TokenInvalid
+        })
+    }
+
+    /// Refuses a verified token that the fleet's filter says was never
+    /// issued (a valid tag under a leaked key, say). No I/O.
+    pub fn issued_by_fleet(&self, token: &VerifiedToken) -> Result<(), LedgerError> {
+        match self.bloom.check(token.claims.id, self.clock.now_ms()) {
+            Verdict::Rejected => {
+                self.count_invalid(Some(&token.claims.biz_type));
+                tracing::debug!(token = %token.redacted(), "token refused: never issued by this fleet");
+                Err(LedgerError::TokenInvalid)
+            }
+            Verdict::Known | Verdict::Young | Verdict::Uncovered => Ok(()),
+        }
+    }
+
+    fn count_invalid(&self, biz: Option<&BizType>) {
+        let biz = biz.filter(|b| self.settings.biz.contains_key(*b));
+        let label = biz.map(BizType::as_str).unwrap_or("unknown");
+        self.metrics
+            .consume_total
+            .with_label_values(&[label, "invalid"])
+            .inc();
+        if let Some(b) = biz {
+            self.metrics.stat(b.as_str(), Stat::Invalid);
+        }
+    }
+
+    /// The row a consume of `token` writes.
+    pub fn record_for(
+        &self,
+        token: &VerifiedToken,
+        settings: &BizSettings,
+        caller: &Client,
+        subject: &Subject,
+    ) -> TokenRecord {
+        let c = &token.claims;
+        TokenRecord {
+            id: c.id.as_i64(),
+            token: token.text.clone(),
+            biz_type: c.biz_type.to_string(),
+            durability: settings.durability.as_str(),
+            subject: subject.as_str().to_owned(),
+            client: caller.name.clone(),
+            issued_at: ms_to_time(c.issued_at_ms()).unwrap_or_else(Utc::now),
+            expires_at: ms_to_time(c.expires_at_ms()).unwrap_or_else(Utc::now),
+        }
+    }
+
+    /// Counts a consume outcome (order events count as consumes too).
+    pub fn count_consume(&self, biz: &BizType, outcome: &str, stat: Option<Stat>) {
+        self.metrics
+            .consume_total
+            .with_label_values(&[biz.as_str(), outcome])
+            .inc();
+        if let Some(s) = stat {
+            self.metrics.stat(biz.as_str(), s);
+        }
+    }
+}

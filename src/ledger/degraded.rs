@@ -1,0 +1,272 @@
+//! Degraded mode: fast consumes while Redis is skipped (a per-instance cache
+//! of what was consumed meanwhile, tokens whose Redis outcome is unknown, a
+//! stricter rate limit; with Postgres down too, this instance decides alone),
+//! and the queue of Redis writes replayed when Redis is back.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use chrono::Utc;
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+
+use super::consume::{answer_from_row, classify, Prior};
+use super::core::ms_to_time;
+use super::{ConsumeAnswer, ConsumeInput, DuplicateStatus, Ledger, LedgerError};
+use crate::config::RedisSettings;
+use crate::durable::tokens::TokenRecord;
+use crate::fast::{Attempt, Marker};
+use crate::health::Mode;
+use crate::journal;
+use crate::token::VerifiedToken;
+
+/// A write to Redis that could not be made while it was down, replayed when
+/// it is back (so that a fast token consumed through Postgres meanwhile does
+/// not look fresh to Redis afterwards).
+#[derive(Debug, Clone)]
+pub(super) enum Resync {
+    Consumed {
+        token: String,
+        marker: Marker,
+    },
+    Forget {
+        token: String,
+    },
+    /// A fast consume this instance decided alone (Redis and Postgres both
+    /// down): the consumed marker, then the journal entry that carries it to
+    /// Postgres.
+    FastConsumed {
+        token: String,
+        marker: Marker,
+        journal: Vec<(&'static str, String)>,
+    },
+}
+
+/// Fast consumes while Redis is down.
+pub(super) struct Fallback {
+    /// Fast tokens this instance saw consumed while Redis was down (by
+    /// Postgres, or by itself). Emptied when Redis is back and caught up.
+    pub(super) consumed: moka::sync::Cache<i64, Marker>,
+    /// Fast tokens whose Redis consume script was sent but never answered:
+    /// it may have consumed them, so they wait for Redis.
+    pub(super) uncertain: moka::sync::Cache<i64, ()>,
+    /// Fast consumes this instance lets through per second meanwhile.
+    limiter: DefaultDirectRateLimiter,
+}
+
+impl Fallback {
+    pub(super) fn new(redis: &RedisSettings) -> Fallback {
+        Fallback {
+            consumed: moka::sync::Cache::builder()
+                .max_capacity(redis.fallback_capacity)
+                .time_to_live(redis.consumed_ttl.max(Duration::from_secs(1)))
+                .build(),
+            uncertain: moka::sync::Cache::builder()
+                .max_capacity(redis.fallback_capacity)
+                .time_to_live(redis.consumed_ttl.max(Duration::from_secs(1)))
+                .build(),
+            limiter: RateLimiter::direct(
+                Quota::per_second(redis.fallback_rate).allow_burst(redis.fallback_rate),
+            ),
+        }
+    }
+}
+
+/// Redis writes kept for later at most (beyond: 503, nothing decided).
+const RESYNC_LIMIT: usize = 100_000;
+
+impl Ledger {
+    /// A fast consume while Redis is skipped. Duplicates this instance has
+    /// seen meanwhile are answered from memory; first uses, at most
+    /// `redis.fallback_rate` per second (more: 503), are decided by Postgres,
+    /// which is exact across the fleet. With Postgres unreachable too, this
+    /// instance decides alone (exactly once per instance) and the decision
+    /// reaches Redis and the journal when Redis is back.
+    pub(super) async fn consume_fast_down(
+        &self,
+        token: &VerifiedToken,
+        record: &TokenRecord,
+        input: &ConsumeInput,
+        attempt: &Attempt<'_>,
+        expired: bool,
+    ) -> Result<ConsumeAnswer, LedgerError> {
+        self.metrics.redis_bypass.with_label_values(&["down"]).inc();
+        if let Some(m) = self.fallback.consumed.get(&record.id) {
+            if let Some(answer) = classify(&Prior::from_marker(&m), input, false)? {
+                return Ok(answer);
+            }
+        }
+        if expired {
+            return self.expired_fast(record, input).await;
+        }
+        if self.fallback.uncertain.contains_key(&record.id) {
+            return Err(LedgerError::Unavailable {
+                what: "redis (an earlier consume of this token may have run there; retry with the same request_id)",
+                retry_after_secs: 1,
+                source: None,
+            });
+        }
+        if self.fallback.limiter.check().is_err() {
+            return Err(LedgerError::Unavailable {
+                what: "fast consumes while redis is down (over redis.fallback_rate)",
+                retry_after_secs: 1,
+                source: None,
+            });
+        }
+        let row = self.consume_in_postgres(record, attempt).await;
+        match row {
+            Ok(row) => {
+                if let Some(m) = self.marker_of(&row, attempt) {
+                    self.fallback.consumed.insert(record.id, m);
+                }
+                self.settle_row(token, &row, None, attempt);
+                answer_from_row(&row, input)
+            }
+            Err(e) if e.is_unavailable() => {
+                tracing::debug!(error = %e, "redis and postgres down: this instance decides");
+                self.consume_fast_in_memory(token, record, input, attempt)
+            }
+            Err(e) => Err(LedgerError::postgres(e)),
+        }
+    }
+
+    /// Decides a fast consume in this process: the first attempt here wins.
+    fn consume_fast_in_memory(
+        &self,
+        token: &VerifiedToken,
+        record: &TokenRecord,
+        input: &ConsumeInput,
+        attempt: &Attempt<'_>,
+    ) -> Result<ConsumeAnswer, LedgerError> {
+        let marker = Marker {
+            at_ms: self.clock.now_ms(),
+            request_id: attempt.request_id.map(str::to_owned),
+            fingerprint: attempt.fingerprint.map(str::to_owned),
+            result: None,
+        };
+        let entry = self
+            .fallback
+            .consumed
+            .entry(record.id)
+            .or_insert_with(|| marker.clone());
+        if !entry.is_fresh() {
+            let prior = Prior::from_marker(entry.value());
+            return Ok(
+                classify(&prior, input, false)?.unwrap_or(ConsumeAnswer::Duplicate {
+                    status: DuplicateStatus::Processing,
+                    consumed_at: prior.consumed_at,
+                    result: None,
+                }),
+            );
+        }
+        let mut journal = journal::consume_fields(record, attempt.request_id, attempt.fingerprint);
+        journal.push(("at", marker.at_ms.to_string()));
+        let queued = self.resync.push(Resync::FastConsumed {
+            token: token.text.clone(),
+            marker: marker.clone(),
+            journal,
+        });
+        if !queued {
+            self.fallback.consumed.invalidate(&record.id);
+            return Err(LedgerError::Unavailable {
+                what: "redis and postgres (the queue of writes for redis is full)",
+                retry_after_secs: 1,
+                source: None,
+            });
+        }
+        self.metrics
+            .redis_bypass
+            .with_label_values(&["memory"])
+            .inc();
+        Ok(ConsumeAnswer::Consumed {
+            consumed_at: ms_to_time(marker.at_ms).unwrap_or_else(Utc::now),
+            replayed: false,
+        })
+    }
+
+    /// Replays Redis writes queued while it was down. Returns how many remain.
+    /// Once none remain and Redis is up, this instance's memory of fast
+    /// consumes is dropped: Redis knows them now.
+    pub async fn resync_redis(&self) -> usize {
+        let mut replayed = 0usize;
+        let journal_left = self.fast.flush_journal_backlog().await;
+        let left = journal_left
+            + loop {
+                let Some(item) = self.resync.pop() else {
+                    break 0;
+                };
+                let done = match &item {
+                    Resync::Consumed { token, marker } => {
+                        self.fast.settle_consumed(token, None, marker, true).await
+                    }
+                    Resync::Forget { token } => self.fast.forget(token).await,
+                    Resync::FastConsumed {
+                        token,
+                        marker,
+                        journal,
+                    } => match self.fast.settle_consumed(token, None, marker, true).await {
+                        Ok(()) => self.fast.append_journal(journal).await,
+                        Err(e) => Err(e),
+                    },
+                };
+                if done.is_err() {
+                    break self.resync.put_back(item);
+                }
+                replayed += 1;
+            };
+        self.metrics.resync_depth.set(left as i64);
+        if replayed > 0 {
+            tracing::info!(
+                replayed,
+                left,
+                "redis writes queued while it was down replayed"
+            );
+        }
+        if left == 0 && self.fast.mode() != Mode::RedisDown {
+            self.fallback.consumed.invalidate_all();
+            self.fallback.uncertain.invalidate_all();
+        }
+        left
+    }
+
+    /// Redis writes waiting for Redis.
+    pub fn resync_pending(&self) -> usize {
+        self.resync.len()
+    }
+}
+
+/// Redis writes waiting for Redis, oldest first, at most `RESYNC_LIMIT`.
+#[derive(Debug, Default)]
+pub(super) struct ResyncQueue(Mutex<VecDeque<Resync>>);
+
+impl ResyncQueue {
+    /// Queues a write for Redis; `false` when the queue is full.
+    pub(super) fn push(&self, item: Resync) -> bool {
+        let mut q = self.lock();
+        if q.len() < RESYNC_LIMIT {
+            q.push_back(item);
+            true
+        } else {
+            false
+        }
+    }
+
+    fn pop(&self) -> Option<Resync> {
+        self.lock().pop_front()
+    }
+
+    /// Puts a write that failed back in front; returns how many wait.
+    fn put_back(&self, item: Resync) -> usize {
+        let mut q = self.lock();
+        q.push_front(item);
+        q.len()
+    }
+
+    fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Resync>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
