@@ -1,5 +1,6 @@
 //! Validated request values ("parse, don't validate"): biz types, subjects,
-//! fingerprints, request ids, order ids. Each newtype can only hold a valid value.
+//! fingerprints, request ids, order ids. Each newtype can only hold a valid
+//! value. Also the audit kinds, a closed set that Postgres stores as an enum.
 
 use std::fmt;
 
@@ -114,9 +115,87 @@ impl OrderId {
     }
 }
 
+/// What an audit event records (the `audit_kind` enum of V1; order events
+/// use the `order.*` ones as their `order_event_kind` too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AuditKind {
+    TokenIssued,
+    TokenConsumed,
+    TokenReleased,
+    TokenResult,
+    OrderCreated,
+    OrderPaid,
+    OrderRefunded,
+    OrderClosed,
+    ReconcileRepaired,
+}
+
+impl AuditKind {
+    pub const ALL: [AuditKind; 9] = [
+        AuditKind::TokenIssued,
+        AuditKind::TokenConsumed,
+        AuditKind::TokenReleased,
+        AuditKind::TokenResult,
+        AuditKind::OrderCreated,
+        AuditKind::OrderPaid,
+        AuditKind::OrderRefunded,
+        AuditKind::OrderClosed,
+        AuditKind::ReconcileRepaired,
+    ];
+
+    /// The label in SQL, JSON and on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AuditKind::TokenIssued => "token.issued",
+            AuditKind::TokenConsumed => "token.consumed",
+            AuditKind::TokenReleased => "token.released",
+            AuditKind::TokenResult => "token.result",
+            AuditKind::OrderCreated => "order.created",
+            AuditKind::OrderPaid => "order.paid",
+            AuditKind::OrderRefunded => "order.refunded",
+            AuditKind::OrderClosed => "order.closed",
+            AuditKind::ReconcileRepaired => "reconcile.repaired",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<AuditKind> {
+        AuditKind::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+}
+
+impl fmt::Display for AuditKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn audit_kinds_round_trip() {
+        for k in AuditKind::ALL {
+            assert_eq!(AuditKind::parse(k.as_str()), Some(k));
+        }
+        assert_eq!(AuditKind::parse("token.burned"), None);
+    }
+
+    #[test]
+    fn audit_kinds_match_the_sql_enum() {
+        let sql = include_str!("../migrations/V1__tokens.sql");
+        let start = sql
+            .find("CREATE TYPE audit_kind AS ENUM (")
+            .expect("audit_kind");
+        let body = &sql[start..];
+        let body = &body[body.find('(').expect("(") + 1..body.find(");").expect(");")];
+        let labels: Vec<&str> = body
+            .split(',')
+            .map(|s| s.trim().trim_matches('\''))
+            .collect();
+        let ours: Vec<&str> = AuditKind::ALL.iter().map(|k| k.as_str()).collect();
+        assert_eq!(labels, ours);
+    }
 
     #[test]
     fn biz_types() {

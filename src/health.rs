@@ -25,6 +25,9 @@ pub enum Mode {
 }
 
 impl Mode {
+    pub const ALL: [Mode; 3] = [Mode::Normal, Mode::Degraded, Mode::RedisDown];
+
+    /// The label in `/readyz`, `/v1/admin/stats`, `ledger_mode` and the logs.
     pub fn as_str(self) -> &'static str {
         match self {
             Mode::Normal => "normal",
@@ -70,12 +73,21 @@ impl std::fmt::Debug for Health {
     }
 }
 
+/// `ledger_mode{mode}`: 1 for `current`, 0 for the others.
+fn export_mode(metrics: &Metrics, current: Mode) {
+    for m in Mode::ALL {
+        let on = if m == current { 1.0 } else { 0.0 };
+        metrics.mode.with_label_values(&[m.as_str()]).set(on);
+    }
+}
+
 fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
 }
 
 impl Health {
     pub fn new(settings: &RedisSettings, metrics: Arc<Metrics>) -> Health {
+        export_mode(&metrics, Mode::Normal);
         Health {
             threshold: settings.slow_threshold,
             window: settings.slow_window,
@@ -188,7 +200,7 @@ impl Health {
         if before == mode.code() {
             return;
         }
-        self.metrics.set_mode(mode.as_str());
+        export_mode(&self.metrics, mode);
         let p99_ms = self.p99().map(|d| d.as_millis() as u64);
         match mode {
             Mode::Normal => tracing::info!(mode = mode.as_str(), ?p99_ms, "redis healthy again: mode normal"),

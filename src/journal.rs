@@ -14,6 +14,7 @@ use serde_json::Value as Json;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
+use crate::config::Durability;
 use crate::durable::tokens::{self, JournalConsume, TokenRecord};
 use crate::fast::FastTier;
 
@@ -136,7 +137,7 @@ fn parse_packed(packed: &str, at: &str) -> Entry {
                     id,
                     token,
                     biz_type,
-                    durability: "fast",
+                    durability: Durability::Fast,
                     subject,
                     client,
                     issued_at,
@@ -174,7 +175,7 @@ fn parse_fields(e: &StreamId) -> Entry {
                     id,
                     token: field(e, "token"),
                     biz_type: field(e, "biz"),
-                    durability: "fast",
+                    durability: Durability::Fast,
                     subject: field(e, "sub"),
                     client: field(e, "cl"),
                     issued_at: iat,
@@ -418,7 +419,7 @@ mod tests {
             id: 7_000_000_000_001,
             token: "like_dev1_AAAA".into(),
             biz_type: "like".into(),
-            durability: "fast",
+            durability: Durability::Fast,
             subject,
             client,
             issued_at: Utc.timestamp_millis_opt(1_790_000_000_123).unwrap(),

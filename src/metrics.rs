@@ -194,10 +194,6 @@ impl Metrics {
         ] {
             registry.register(c).expect("distinct metric names");
         }
-        for m in ["normal", "degraded", "redis_down"] {
-            mode.with_label_values(&[m])
-                .set(if m == "normal" { 1.0 } else { 0.0 });
-        }
         for r in ["hit", "miss", "error"] {
             fast_tier_total.with_label_values(&[r]);
         }
@@ -230,14 +226,6 @@ impl Metrics {
             redis_bypass,
             resync_depth,
             pending: Mutex::new(HashMap::new()),
-        }
-    }
-
-    pub fn set_mode(&self, current: &str) {
-        for m in ["normal", "degraded", "redis_down"] {
-            self.mode
-                .with_label_values(&[m])
-                .set(if m == current { 1.0 } else { 0.0 });
         }
     }
 

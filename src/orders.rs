@@ -10,14 +10,13 @@ use chrono::{DateTime, Utc};
 
 use crate::auth::Client;
 use crate::config::Durability;
-use crate::domain::{Fingerprint, OrderId, RequestId, Subject};
+use crate::domain::{AuditKind, Fingerprint, OrderId, RequestId, Subject};
 use crate::durable::orders::{
     self as sql, EventWrite, LockedOrder, NewOrder, OrderRow, TokenUsage,
 };
 use crate::durable::{timed, DurableError};
 use crate::fast::Marker;
-use crate::ledger::{Ledger, LedgerError};
-use crate::metrics::Stat;
+use crate::ledger::{ConsumeOutcome, Ledger, LedgerError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, sqlx::Type)]
 #[sqlx(type_name = "order_state", rename_all = "SCREAMING_SNAKE_CASE")]
@@ -65,11 +64,11 @@ pub enum OrderEvent {
 
 impl OrderEvent {
     /// The event kind as stored (`order_event_kind`, `audit_kind`).
-    pub fn kind(self) -> &'static str {
+    pub fn kind(self) -> AuditKind {
         match self {
-            OrderEvent::Pay => "order.paid",
-            OrderEvent::Refund { .. } => "order.refunded",
-            OrderEvent::Close => "order.closed",
+            OrderEvent::Pay => AuditKind::OrderPaid,
+            OrderEvent::Refund { .. } => AuditKind::OrderRefunded,
+            OrderEvent::Close => AuditKind::OrderClosed,
         }
     }
 }
@@ -111,7 +110,7 @@ pub fn transition(
     use OrderState::*;
     let illegal = Err(TransitionError::Illegal {
         state,
-        event: event.kind(),
+        event: event.kind().as_str(),
     });
     match (state, event) {
         (Created, OrderEvent::Pay) => Ok((Paid, amounts)),
@@ -266,7 +265,7 @@ fn decide(
     input: &EventInput,
 ) -> Result<Decision, OrderError> {
     if let Some(used) = &usage.used_by {
-        if used.order_id != order_id || used.kind != input.event.kind() {
+        if used.order_id != order_id || used.kind != input.event.kind().as_str() {
             return Err(OrderError::TokenAlreadyUsed);
         }
         if let (Some(a), Some(b)) = (&usage.fingerprint, &input.fingerprint) {
@@ -376,7 +375,7 @@ impl<'a> Orders<'a> {
     /// Bounded in time like every payment-path call: a Postgres that stopped
     /// answering costs at most a few statement deadlines and answers 503;
     /// dropping the transaction rolls it back.
-    #[tracing::instrument(level = "debug", skip_all, fields(client = %caller.name, event = input.event.kind()))]
+    #[tracing::instrument(level = "debug", skip_all, fields(client = %caller.name, event = input.event.kind().as_str()))]
     pub async fn apply(
         &self,
         caller: &Client,
@@ -438,12 +437,12 @@ impl<'a> Orders<'a> {
             Decision::Apply { next, after } => (next, after),
             Decision::Repeat { replay } => {
                 drop(tx);
-                let (outcome, stat) = if replay {
-                    ("replayed", None)
+                let outcome = if replay {
+                    ConsumeOutcome::Replayed
                 } else {
-                    ("duplicate", Some(Stat::Duplicate))
+                    ConsumeOutcome::Duplicate
                 };
-                ledger.count_consume(&biz, outcome, stat);
+                ledger.count_consume(&biz, outcome);
                 let order = self.get(caller, order_id).await?;
                 return Ok((
                     if replay {
@@ -455,7 +454,7 @@ impl<'a> Orders<'a> {
                 ));
             }
             Decision::Expired => {
-                ledger.count_consume(&biz, "expired", Some(Stat::Expired));
+                ledger.count_consume(&biz, ConsumeOutcome::Expired);
                 return Err(LedgerError::TokenExpired.into());
             }
         };
@@ -481,7 +480,7 @@ impl<'a> Orders<'a> {
             return Err(OrderError::TokenAlreadyUsed);
         }
         tx.commit().await.map_err(DurableError::from)?;
-        ledger.count_consume(&biz, "consumed", Some(Stat::Consumed));
+        ledger.count_consume(&biz, ConsumeOutcome::Consumed);
         ledger.settle_consumed_in_background(
             &token.text,
             None,

@@ -23,16 +23,16 @@
 //! rather than something wrong. No repair makes a consumed token live again.
 //! The run stops between batches when cancelled; rerunning continues the job.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+pub mod report;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use futures_util::stream::{self, StreamExt};
-use serde::Serialize;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
-use utoipa::ToSchema;
 
 use crate::config::Settings;
 use crate::durable::reconcile::{self as sql, PurgeKind, Repair};
@@ -42,6 +42,9 @@ use crate::fast::{FastError, FastTier, KeyState, Marker};
 use crate::token::{SnowflakeId, TokenCodec};
 
 pub use crate::durable::reconcile::LOCK_KEY;
+pub use report::{
+    Class, Classes, InconsistentOrder, LogProgress, Phase, Progress, Quiet, Report, Scanned,
+};
 
 /// Tokens this close to expiry are left alone by the re-seed.
 const RESEED_MARGIN_MS: i64 = 2_000;
@@ -65,100 +68,6 @@ pub struct Options {
     /// Only tokens issued, and orders updated, this recently (the journal and
     /// the retention purge are always whole).
     pub since: Option<Duration>,
-}
-
-/// Counts per divergence class.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, ToSchema)]
-pub struct Classes {
-    pub redis_live_but_consumed: u64,
-    pub redis_missing_but_live: u64,
-    pub stale_provisional: u64,
-    pub journal_not_durable: u64,
-    pub order_inconsistent: u64,
-    pub expired_purgeable: u64,
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, ToSchema)]
-pub struct Scanned {
-    /// Token records looked at: Redis keys plus Postgres rows.
-    pub tokens: u64,
-    pub orders: u64,
-}
-
-/// An order whose events, tokens and amounts disagree: for a human.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
-pub struct InconsistentOrder {
-    pub order_id: String,
-    pub problems: Vec<String>,
-}
-
-/// The report of API.md, plus the inconsistent orders, whether the run was
-/// interrupted, and the errors that stopped a phase.
-#[derive(Debug, Clone, Serialize, ToSchema)]
-pub struct Report {
-    pub started_at: String,
-    pub finished_at: String,
-    pub dry_run: bool,
-    pub scanned: Scanned,
-    pub found: Classes,
-    pub repaired: Classes,
-    /// The orders counted in `found.order_inconsistent`.
-    pub inconsistent_orders: Vec<InconsistentOrder>,
-    /// Stopped early (cancelled); rerun to finish.
-    pub interrupted: bool,
-    /// Phases that could not finish (e.g. Redis unreachable); the others ran.
-    pub errors: Vec<String>,
-}
-
-/// Where a run reports its progress.
-pub trait Progress: Send + Sync {
-    /// A phase begins; `total` when it is known.
-    fn phase(&self, name: &'static str, total: Option<u64>);
-    /// `n` more items of the current phase are done.
-    fn advance(&self, n: u64);
-    /// The run is over.
-    fn finish(&self) {}
-}
-
-/// No progress output.
-#[derive(Debug, Default)]
-pub struct Quiet;
-
-impl Progress for Quiet {
-    fn phase(&self, _: &'static str, _: Option<u64>) {}
-    fn advance(&self, _: u64) {}
-}
-
-/// Progress as log lines: one per phase, then at most one every `every`.
-#[derive(Debug)]
-pub struct LogProgress {
-    every: Duration,
-    state: Mutex<(&'static str, Option<u64>, u64, Instant)>,
-}
-
-impl LogProgress {
-    pub fn new(every: Duration) -> LogProgress {
-        LogProgress {
-            every,
-            state: Mutex::new(("", None, 0, Instant::now())),
-        }
-    }
-}
-
-impl Progress for LogProgress {
-    fn phase(&self, name: &'static str, total: Option<u64>) {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        *s = (name, total, 0, Instant::now());
-        tracing::info!(phase = name, total, "reconcile: phase started");
-    }
-    fn advance(&self, n: u64) {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        s.2 += n;
-        if s.3.elapsed() >= self.every {
-            s.3 = Instant::now();
-            tracing::info!(phase = s.0, done = s.2, total = s.1, "reconcile: progress");
-        }
-    }
 }
 
 /// Runs reconciliations. Cheap to build; holds the admin pool.
@@ -285,9 +194,9 @@ fn marker_of(t: &sql::PgToken) -> Marker {
     }
 }
 
-fn repair_of(class: &'static str, action: &'static str, t: &sql::PgToken) -> Repair {
+fn repair_of(class: Class, action: &'static str, t: &sql::PgToken) -> Repair {
     Repair {
-        class,
+        class: class.as_str(),
         action,
         token_id: Some(t.id),
         token: Some(t.token.clone()),
@@ -300,19 +209,19 @@ fn repair_of(class: &'static str, action: &'static str, t: &sql::PgToken) -> Rep
 
 impl Run<'_> {
     async fn all(&mut self) {
-        let phases: [&'static str; 5] = ["journal", "redis keys", "live tokens", "orders", "purge"];
-        for name in phases {
+        for phase in Phase::ALL {
             if self.cancel.is_cancelled() {
                 return;
             }
-            let out = match name {
-                "journal" => self.journal().await,
-                "redis keys" => self.redis_keys().await,
-                "live tokens" => self.live_tokens().await,
-                "orders" => self.orders().await,
-                _ => self.purge().await,
+            let out = match phase {
+                Phase::Journal => self.journal().await,
+                Phase::RedisKeys => self.redis_keys().await,
+                Phase::LiveTokens => self.live_tokens().await,
+                Phase::Orders => self.orders().await,
+                Phase::Purge => self.purge().await,
             };
             if let Err(e) = out {
+                let name = phase.as_str();
                 tracing::error!(phase = name, error = %e, "reconcile: phase failed");
                 self.errors.push(format!("{name}: {}", error_chain(&e)));
             }
@@ -326,8 +235,8 @@ impl Run<'_> {
     /// Phase 1: fast-type journal entries not yet in Postgres.
     async fn journal(&mut self) -> Result<(), PhaseError> {
         let waiting = self.r.fast.journal_len().await?;
-        self.progress.phase("journal", Some(waiting));
-        self.found.journal_not_durable += waiting;
+        self.progress.phase(Phase::Journal, Some(waiting));
+        self.found.add(Class::JournalNotDurable, waiting);
         if self.opts.dry_run || waiting == 0 {
             return Ok(());
         }
@@ -361,7 +270,7 @@ impl Run<'_> {
             sql::record_repairs(
                 self.pool(),
                 &[Repair {
-                    class: "journal_not_durable",
+                    class: Class::JournalNotDurable.as_str(),
                     action: "written",
                     token_id: None,
                     token: None,
@@ -372,14 +281,14 @@ impl Run<'_> {
                 }],
             )
             .await?;
-            self.repaired.journal_not_durable += n as u64;
+            self.repaired.add(Class::JournalNotDurable, n as u64);
             self.progress.advance(n as u64);
         }
     }
 
     /// Phase 2: every token key in Redis against Postgres.
     async fn redis_keys(&mut self) -> Result<(), PhaseError> {
-        self.progress.phase("redis keys", None);
+        self.progress.phase(Phase::RedisKeys, None);
         let since_ms = self.since.map(|t| t.timestamp_millis());
         for node in self.r.fast.scan_nodes().await? {
             let mut cursor = 0u64;
@@ -449,14 +358,14 @@ impl Run<'_> {
                     let Some(t) = row.filter(|t| t.state == TokenState::Consumed) else {
                         continue;
                     };
-                    self.found.redis_live_but_consumed += 1;
+                    self.found.add(Class::RedisLiveButConsumed, 1);
                     if self.opts.dry_run {
                         continue;
                     }
                     match self.r.fast.drop_if_issued(text).await {
                         Ok(true) => {
-                            self.repaired.redis_live_but_consumed += 1;
-                            repairs.push(repair_of("redis_live_but_consumed", "deleted", t));
+                            self.repaired.add(Class::RedisLiveButConsumed, 1);
+                            repairs.push(repair_of(Class::RedisLiveButConsumed, "deleted", t));
                         }
                         Ok(false) => {}
                         Err(e) => {
@@ -466,7 +375,7 @@ impl Run<'_> {
                     }
                 }
                 KeyState::Provisional { .. } => {
-                    self.found.stale_provisional += 1;
+                    self.found.add(Class::StaleProvisional, 1);
                     if self.opts.dry_run {
                         continue;
                     }
@@ -486,7 +395,7 @@ impl Run<'_> {
                         }
                     };
                     if cleared {
-                        self.repaired.stale_provisional += 1;
+                        self.repaired.add(Class::StaleProvisional, 1);
                         let action = if consumed.is_some() {
                             "marked_consumed"
                         } else if remaining > 0 {
@@ -495,9 +404,9 @@ impl Run<'_> {
                             "deleted"
                         };
                         repairs.push(match row {
-                            Some(t) => repair_of("stale_provisional", action, t),
+                            Some(t) => repair_of(Class::StaleProvisional, action, t),
                             None => Repair {
-                                class: "stale_provisional",
+                                class: Class::StaleProvisional.as_str(),
                                 action,
                                 token_id: Some(id.as_i64()),
                                 token: Some(text.clone()),
@@ -522,7 +431,7 @@ impl Run<'_> {
 
     /// Phase 3: tokens Postgres holds as issued and live, against Redis.
     async fn live_tokens(&mut self) -> Result<(), PhaseError> {
-        self.progress.phase("live tokens", None);
+        self.progress.phase(Phase::LiveTokens, None);
         let min_id = self
             .since
             .map(|t| SnowflakeId::from_parts(t.timestamp_millis(), 0, 0).as_i64())
@@ -553,7 +462,8 @@ impl Run<'_> {
                 .filter(|(_, s)| **s == KeyState::Missing)
                 .map(|(t, _)| t)
                 .collect();
-            self.found.redis_missing_but_live += missing.len() as u64;
+            self.found
+                .add(Class::RedisMissingButLive, missing.len() as u64);
             if !self.opts.dry_run && !missing.is_empty() {
                 // One script per key, a few in flight at once (a Redis that
                 // lost everything needs every live token back).
@@ -597,9 +507,9 @@ impl Run<'_> {
                         }
                         continue;
                     }
-                    self.repaired.redis_missing_but_live += 1;
+                    self.repaired.add(Class::RedisMissingButLive, 1);
                     repairs.push(Repair {
-                        class: "redis_missing_but_live",
+                        class: Class::RedisMissingButLive.as_str(),
                         action: "reseeded",
                         token_id: Some(t.id),
                         token: Some(t.token.clone()),
@@ -620,7 +530,7 @@ impl Run<'_> {
 
     /// Phase 4: orders whose events, tokens and amounts disagree.
     async fn orders(&mut self) -> Result<(), PhaseError> {
-        self.progress.phase("orders", None);
+        self.progress.phase(Phase::Orders, None);
         let mut after = String::new();
         loop {
             if self.cancel.is_cancelled() {
@@ -636,7 +546,7 @@ impl Run<'_> {
             for o in &page {
                 let problems = order_problems(o);
                 if !problems.is_empty() {
-                    self.found.order_inconsistent += 1;
+                    self.found.add(Class::OrderInconsistent, 1);
                     self.orders.push(InconsistentOrder {
                         order_id: o.order_id.clone(),
                         problems,
@@ -655,8 +565,8 @@ impl Run<'_> {
             total +=
                 u64::try_from(sql::count_purgeable(self.pool(), kind, secs).await?).unwrap_or(0);
         }
-        self.progress.phase("purge", Some(total));
-        self.found.expired_purgeable += total;
+        self.progress.phase(Phase::Purge, Some(total));
+        self.found.add(Class::ExpiredPurgeable, total);
         if self.opts.dry_run {
             return Ok(());
         }
@@ -669,7 +579,7 @@ impl Run<'_> {
                 if n == 0 {
                     break;
                 }
-                self.repaired.expired_purgeable += n;
+                self.repaired.add(Class::ExpiredPurgeable, n);
                 self.progress.advance(n);
             }
         }
@@ -706,61 +616,4 @@ fn order_problems(o: &sql::OrderFacts) -> Vec<String> {
         ));
     }
     p
-}
-
-/// Map for callers that want the classes by name (text output).
-impl Classes {
-    pub fn by_name(&self) -> Vec<(&'static str, u64)> {
-        vec![
-            ("redis_live_but_consumed", self.redis_live_but_consumed),
-            ("redis_missing_but_live", self.redis_missing_but_live),
-            ("stale_provisional", self.stale_provisional),
-            ("journal_not_durable", self.journal_not_durable),
-            ("order_inconsistent", self.order_inconsistent),
-            ("expired_purgeable", self.expired_purgeable),
-        ]
-    }
-}
-
-impl Report {
-    /// The report for humans (`--format text`).
-    pub fn to_text(&self) -> String {
-        let mut out = format!(
-            "reconcile{} from {} to {}\nscanned: {} token records, {} orders\n\n{:<26} {:>10} {:>10}\n",
-            if self.dry_run { " (dry run)" } else { "" },
-            self.started_at,
-            self.finished_at,
-            self.scanned.tokens,
-            self.scanned.orders,
-            "class",
-            "found",
-            "repaired"
-        );
-        let repaired: HashMap<_, _> = self.repaired.by_name().into_iter().collect();
-        for (name, n) in self.found.by_name() {
-            out.push_str(&format!(
-                "{:<26} {:>10} {:>10}\n",
-                name,
-                n,
-                repaired.get(name).copied().unwrap_or(0)
-            ));
-        }
-        for o in &self.inconsistent_orders {
-            out.push_str(&format!(
-                "\norder {}: {}",
-                o.order_id,
-                o.problems.join("; ")
-            ));
-        }
-        if !self.inconsistent_orders.is_empty() {
-            out.push('\n');
-        }
-        if self.interrupted {
-            out.push_str("\ninterrupted: rerun to finish\n");
-        }
-        for e in &self.errors {
-            out.push_str(&format!("\nerror: {e}\n"));
-        }
-        out
-    }
 }

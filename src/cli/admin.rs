@@ -14,10 +14,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::{self, AdminError, AuditEvent, AuditPage, AuditQuery, TokenView};
 use crate::config::Settings;
+use crate::domain::AuditKind;
 use crate::durable::Pools;
 use crate::fast::FastTier;
 use crate::metrics::Metrics;
-use crate::reconcile::{self, LogProgress, Progress, ReconcileError, Reconciler};
+use crate::reconcile::{self, LogProgress, Phase, Progress, ReconcileError, Reconciler};
 use crate::token::TokenCodec;
 
 /// Exit code when another reconcile run holds the lock.
@@ -81,8 +82,8 @@ pub struct EventsArgs {
     #[arg(long)]
     pub order_id: Option<String>,
     /// An audit kind, e.g. token.consumed.
-    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(admin::KINDS))]
-    pub kind: Option<String>,
+    #[arg(long, value_parser = kind_parser())]
+    pub kind: Option<AuditKind>,
     /// A duration back from now (24h, 30m, 7d) or an RFC 3339 time; inclusive.
     #[arg(long, value_name = "T", value_parser = parse_time)]
     pub since: Option<DateTime<Utc>>,
@@ -106,6 +107,13 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
         .map_err(|_| format!("`{s}` is not a duration; use e.g. 24h, 30m, 7d"))
 }
 
+/// The audit kinds, listed by `--help` and in the error for any other value.
+fn kind_parser() -> impl clap::builder::TypedValueParser<Value = AuditKind> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(AuditKind::ALL.map(AuditKind::as_str))
+        .try_map(|s| admin::parse_kind(&s))
+}
+
 fn parse_time(s: &str) -> Result<DateTime<Utc>, String> {
     admin::parse_time_arg(s, Utc::now())
 }
@@ -124,7 +132,7 @@ struct Bar {
 }
 
 impl Progress for Bar {
-    fn phase(&self, name: &'static str, total: Option<u64>) {
+    fn phase(&self, phase: Phase, total: Option<u64>) {
         let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(b) = cur.take() {
             b.finish();
@@ -140,7 +148,7 @@ impl Progress for Bar {
                     .unwrap_or_else(|_| ProgressStyle::default_spinner()),
             ),
         };
-        bar.set_prefix(name);
+        bar.set_prefix(phase.as_str());
         bar.enable_steady_tick(Duration::from_millis(200));
         *cur = Some(bar);
     }
@@ -360,7 +368,7 @@ fn table(events: &[AuditEvent], with_token: bool) -> String {
         .map(|e| {
             let mut r = vec![
                 e.at.clone(),
-                e.kind.clone(),
+                e.kind.to_owned(),
                 e.id.clone(),
                 or_dash(&e.subject).to_owned(),
                 or_dash(&e.biz_type).to_owned(),
@@ -415,7 +423,7 @@ pub fn events_csv(events: &[AuditEvent]) -> String {
         let cells = [
             e.id.clone(),
             e.at.clone(),
-            e.kind.clone(),
+            e.kind.to_owned(),
             e.token.clone().unwrap_or_default(),
             e.subject.clone().unwrap_or_default(),
             e.biz_type.clone().unwrap_or_default(),

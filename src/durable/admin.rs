@@ -9,6 +9,7 @@ use sqlx::{PgConnection, PgPool, Postgres, QueryBuilder, Row};
 
 use super::tokens::TokenState;
 use super::DurableError;
+use crate::domain::AuditKind;
 
 /// A `tokens` row as the admin view needs it.
 #[derive(Debug, Clone)]
@@ -34,7 +35,7 @@ pub struct TokenRow {
 pub struct EventRow {
     pub id: i64,
     pub at: DateTime<Utc>,
-    pub kind: String,
+    pub kind: AuditKind,
     pub token: Option<String>,
     pub subject: Option<String>,
     pub biz_type: Option<String>,
@@ -46,11 +47,16 @@ pub struct EventRow {
 const EVENT_COLUMNS: &str =
     "id, at, kind::text AS kind, token, subject, biz_type, order_id, client, detail";
 
+fn audit_kind(text: String) -> Result<AuditKind, sqlx::Error> {
+    AuditKind::parse(&text)
+        .ok_or_else(|| sqlx::Error::Decode(format!("unknown audit kind `{text}`").into()))
+}
+
 fn event(row: &PgRow) -> Result<EventRow, sqlx::Error> {
     Ok(EventRow {
         id: row.try_get("id")?,
         at: row.try_get("at")?,
-        kind: row.try_get("kind")?,
+        kind: audit_kind(row.try_get("kind")?)?,
         token: row.try_get("token")?,
         subject: row.try_get("subject")?,
         biz_type: row.try_get("biz_type")?,
@@ -127,8 +133,7 @@ pub struct EventFilter {
     pub subject: Option<String>,
     pub biz_type: Option<String>,
     pub order_id: Option<String>,
-    /// An `audit_kind` label, already validated.
-    pub kind: Option<String>,
+    pub kind: Option<AuditKind>,
     /// Inclusive.
     pub since: Option<DateTime<Utc>>,
     /// Exclusive.
@@ -157,9 +162,9 @@ pub async fn events(
     if let Some(v) = &filter.order_id {
         q.push(" AND order_id = ").push_bind(v.clone());
     }
-    if let Some(v) = &filter.kind {
+    if let Some(v) = filter.kind {
         q.push(" AND kind = ")
-            .push_bind(v.clone())
+            .push_bind(v.as_str())
             .push("::audit_kind");
     }
     if let Some(v) = filter.since {

@@ -9,6 +9,7 @@ use sqlx::{PgPool, Postgres, Row, Transaction};
 
 use super::tokens::TokenRecord;
 use super::DurableError;
+use crate::domain::AuditKind;
 use crate::orders::{OrderEventRecord, OrderState};
 use crate::token::VerifiedToken;
 
@@ -235,7 +236,7 @@ pub struct EventWrite<'a> {
     pub record: &'a TokenRecord,
     pub order_id: &'a str,
     /// `order.paid`, `order.refunded` or `order.closed`.
-    pub kind: &'static str,
+    pub kind: AuditKind,
     pub next_state: OrderState,
     pub refunded_minor: i64,
     /// The event's amount (the refund's, or the order's for pay and close).
@@ -286,7 +287,7 @@ pub async fn write_event(
     .bind(r.id)
     .bind(&r.token)
     .bind(&r.biz_type)
-    .bind(r.durability)
+    .bind(r.durability.as_str())
     .bind(&r.subject)
     .bind(&r.client)
     .bind(r.issued_at)
@@ -296,7 +297,7 @@ pub async fn write_event(
     .bind(w.order_id)
     .bind(w.next_state)
     .bind(w.refunded_minor)
-    .bind(w.kind)
+    .bind(w.kind.as_str())
     .bind(w.amount_minor)
     .bind(w.reason)
     .fetch_one(&mut **tx)

@@ -10,6 +10,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
 
 use super::DurableError;
+use crate::config::Durability;
 use crate::metrics::StatCounts;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::Type)]
@@ -25,8 +26,7 @@ pub struct TokenRecord {
     pub id: i64,
     pub token: String,
     pub biz_type: String,
-    /// "durable" or "fast".
-    pub durability: &'static str,
+    pub durability: Durability,
     pub subject: String,
     pub client: String,
     pub issued_at: DateTime<Utc>,
@@ -118,7 +118,7 @@ pub async fn consume(
     .bind(rec.id)
     .bind(&rec.token)
     .bind(&rec.biz_type)
-    .bind(rec.durability)
+    .bind(rec.durability.as_str())
     .bind(&rec.subject)
     .bind(&rec.client)
     .bind(rec.issued_at)
@@ -249,7 +249,7 @@ pub async fn insert_issued(pool: &PgPool, batch: &[TokenRecord]) -> Result<(), D
         ids.push(r.id);
         tokens.push(r.token.as_str());
         biz.push(r.biz_type.as_str());
-        dur.push(r.durability);
+        dur.push(r.durability.as_str());
         subjects.push(r.subject.as_str());
         clients.push(r.client.as_str());
         issued.push(r.issued_at);

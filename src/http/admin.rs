@@ -162,7 +162,9 @@ impl AuditParams {
             subject: present(&self.subject),
             biz_type: present(&self.biz_type),
             order_id: present(&self.order_id),
-            kind: present(&self.kind),
+            kind: present(&self.kind)
+                .map(|k| admin::parse_kind(&k))
+                .transpose()?,
             since: rfc3339("since", &self.since)?,
             until: rfc3339("until", &self.until)?,
             limit,

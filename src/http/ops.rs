@@ -8,6 +8,7 @@ use serde::Serialize;
 use utoipa::{OpenApi, ToSchema};
 
 use super::AppState;
+use crate::health::Mode;
 
 /// Liveness: 200 while the process runs.
 #[utoipa::path(get, path = "/healthz", tag = "operations", responses((status = 200, description = "alive")))]
@@ -27,6 +28,15 @@ pub struct Readiness {
     pub worker_id: u16,
 }
 
+/// What `/readyz` says of Redis in each mode.
+fn redis_state(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Normal => "up",
+        Mode::Degraded => "slow",
+        Mode::RedisDown => "down",
+    }
+}
+
 /// Readiness: 200 while durable consumes can be decided, else 503, same body.
 #[utoipa::path(get, path = "/readyz", tag = "operations", responses(
     (status = 200, description = "ready", body = Readiness),
@@ -43,12 +53,8 @@ pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
     let mode = ledger.mode();
     let body = Readiness {
         postgres: if pg_up { "up" } else { "down" },
-        redis: match mode {
-            "redis_down" => "down",
-            "degraded" => "slow",
-            _ => "up",
-        },
-        mode,
+        redis: redis_state(mode),
+        mode: mode.as_str(),
         worker_id: ledger.worker_id(),
     };
     if pg_up {

@@ -7,6 +7,7 @@ use serde_json::Value as Json;
 
 use crate::domain::{BizType, Fingerprint, RequestId, Subject};
 use crate::durable::DurableError;
+use crate::metrics::Stat;
 
 /// Why the ledger refused; the HTTP layer maps each to a status and code.
 #[derive(Debug, thiserror::Error)]
@@ -97,6 +98,66 @@ pub struct ConsumeInput {
     pub biz_type: Option<BizType>,
     pub fingerprint: Option<Fingerprint>,
     pub request_id: Option<RequestId>,
+}
+
+/// How a consume attempt ended: the `outcome` label of
+/// `ledger_consume_total` (order events count as consumes too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConsumeOutcome {
+    /// First use.
+    Consumed,
+    /// A retry of the attempt that consumed it (same `request_id`).
+    Replayed,
+    Duplicate,
+    FingerprintMismatch,
+    Expired,
+    /// Forged, malformed, or never issued by this fleet.
+    Invalid,
+    /// Bound to another client or subject, or of another biz type.
+    Mismatch,
+    /// A tier could not decide (503).
+    Unavailable,
+}
+
+impl ConsumeOutcome {
+    pub const ALL: [ConsumeOutcome; 8] = [
+        ConsumeOutcome::Consumed,
+        ConsumeOutcome::Replayed,
+        ConsumeOutcome::Duplicate,
+        ConsumeOutcome::FingerprintMismatch,
+        ConsumeOutcome::Expired,
+        ConsumeOutcome::Invalid,
+        ConsumeOutcome::Mismatch,
+        ConsumeOutcome::Unavailable,
+    ];
+
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConsumeOutcome::Consumed => "consumed",
+            ConsumeOutcome::Replayed => "replayed",
+            ConsumeOutcome::Duplicate => "duplicate",
+            ConsumeOutcome::FingerprintMismatch => "fingerprint_mismatch",
+            ConsumeOutcome::Expired => "expired",
+            ConsumeOutcome::Invalid => "invalid",
+            ConsumeOutcome::Mismatch => "mismatch",
+            ConsumeOutcome::Unavailable => "unavailable",
+        }
+    }
+
+    /// The fleet-wide stats counter (`/v1/admin/stats`) it also counts in.
+    pub fn stat(self) -> Option<Stat> {
+        match self {
+            ConsumeOutcome::Consumed => Some(Stat::Consumed),
+            ConsumeOutcome::Duplicate => Some(Stat::Duplicate),
+            ConsumeOutcome::Expired => Some(Stat::Expired),
+            ConsumeOutcome::Invalid => Some(Stat::Invalid),
+            ConsumeOutcome::Replayed
+            | ConsumeOutcome::FingerprintMismatch
+            | ConsumeOutcome::Mismatch
+            | ConsumeOutcome::Unavailable => None,
+        }
+    }
 }
 
 /// Whether a result was recorded now or had been already (same value).

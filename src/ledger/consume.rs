@@ -8,7 +8,7 @@ use serde_json::Value as Json;
 
 use super::core::{ms, ms_to_time};
 use super::degraded::Resync;
-use super::{ConsumeAnswer, ConsumeInput, DuplicateStatus, Ledger, LedgerError};
+use super::{ConsumeAnswer, ConsumeInput, ConsumeOutcome, DuplicateStatus, Ledger, LedgerError};
 use crate::auth::Client;
 use crate::config::Durability;
 use crate::domain::{Fingerprint, RequestId};
@@ -16,7 +16,6 @@ use crate::durable::tokens::{self, ConsumeRow, Existing, TokenRecord, TokenState
 use crate::durable::{timed, DurableError};
 use crate::fast::{Attempt, ConsumeMode, FastError, Marker, ScriptOutcome};
 use crate::journal;
-use crate::metrics::Stat;
 use crate::token::VerifiedToken;
 
 /// What an earlier consume left behind, from either tier.
@@ -66,25 +65,22 @@ impl Ledger {
             Durability::Durable => self.consume_durable(&token, &record, input).await,
             Durability::Fast => self.consume_fast(&token, &record, input).await,
         };
-        match &answer {
+        let outcome = match &answer {
             Ok(ConsumeAnswer::Consumed {
                 replayed: false, ..
-            }) => self.count_consume(&biz, "consumed", Some(Stat::Consumed)),
-            Ok(ConsumeAnswer::Consumed { replayed: true, .. }) => {
-                self.count_consume(&biz, "replayed", None)
-            }
+            }) => Some(ConsumeOutcome::Consumed),
+            Ok(ConsumeAnswer::Consumed { replayed: true, .. }) => Some(ConsumeOutcome::Replayed),
             Ok(ConsumeAnswer::Duplicate { .. }) => {
                 self.writer.duplicate(record.id);
-                self.count_consume(&biz, "duplicate", Some(Stat::Duplicate))
+                Some(ConsumeOutcome::Duplicate)
             }
-            Err(LedgerError::TokenExpired) => {
-                self.count_consume(&biz, "expired", Some(Stat::Expired))
-            }
-            Err(LedgerError::FingerprintMismatch) => {
-                self.count_consume(&biz, "fingerprint_mismatch", None)
-            }
-            Err(LedgerError::Unavailable { .. }) => self.count_consume(&biz, "unavailable", None),
-            Err(_) => {}
+            Err(LedgerError::TokenExpired) => Some(ConsumeOutcome::Expired),
+            Err(LedgerError::FingerprintMismatch) => Some(ConsumeOutcome::FingerprintMismatch),
+            Err(LedgerError::Unavailable { .. }) => Some(ConsumeOutcome::Unavailable),
+            Err(_) => None,
+        };
+        if let Some(outcome) = outcome {
+            self.count_consume(&biz, outcome);
         }
         tracing::debug!(token = %token.redacted(), outcome = ?answer.as_ref().map(|_| ()), "consume");
         answer

@@ -9,7 +9,7 @@ use chrono::{DateTime, TimeZone, Utc};
 
 use super::degraded::{Fallback, ResyncQueue};
 use super::issue::IssueLimits;
-use super::LedgerError;
+use super::{ConsumeOutcome, LedgerError};
 use crate::auth::Client;
 use crate::bloom::{IssuedFilter, Verdict};
 use crate::config::{BizSettings, Settings};
@@ -17,8 +17,9 @@ use crate::domain::{BizType, Subject};
 use crate::durable::tokens::TokenRecord;
 use crate::durable::Pools;
 use crate::fast::FastTier;
+use crate::health::Mode;
 use crate::lease::WorkerLease;
-use crate::metrics::{Metrics, Stat};
+use crate::metrics::Metrics;
 use crate::token::{Clock, TokenCodec, TokenError, VerifiedToken};
 use crate::writer::Writer;
 
@@ -108,9 +109,9 @@ impl Ledger {
         self.lease.worker_id()
     }
 
-    /// `normal`, `degraded` (Redis slow) or `redis_down` (breaker open).
-    pub fn mode(&self) -> &'static str {
-        self.fast.mode().as_str()
+    /// How Redis is used right now (see [`crate::health`]).
+    pub fn mode(&self) -> Mode {
+        self.fast.mode()
     }
 
     /// The biz type's settings, if it is configured (422) and granted (403).
@@ -149,7 +150,7 @@ impl Ledger {
             .is_bound_to(&token, &caller.name, subject.as_str())
             || biz_type.is_some_and(|b| *b != token.claims.biz_type)
         {
-            self.count_consume(&token.claims.biz_type, "mismatch", None);
+            self.count_consume(&token.claims.biz_type, ConsumeOutcome::Mismatch);
             return Err(LedgerError::TokenMismatch);
         }
         Ok((token, settings))
@@ -179,14 +180,14 @@ impl Ledger {
     }
 
     fn count_invalid(&self, biz: Option<&BizType>) {
-        let biz = biz.filter(|b| self.settings.biz.contains_key(*b));
-        let label = biz.map(BizType::as_str).unwrap_or("unknown");
-        self.metrics
-            .consume_total
-            .with_label_values(&[label, "invalid"])
-            .inc();
-        if let Some(b) = biz {
-            self.metrics.stat(b.as_str(), Stat::Invalid);
+        match biz.filter(|b| self.settings.biz.contains_key(*b)) {
+            Some(b) => self.count_consume(b, ConsumeOutcome::Invalid),
+            // Not a biz type of ours: no stats row for it.
+            None => self
+                .metrics
+                .consume_total
+                .with_label_values(&["unknown", ConsumeOutcome::Invalid.as_str()])
+                .inc(),
         }
     }
 
@@ -203,7 +204,7 @@ impl Ledger {
             id: c.id.as_i64(),
             token: token.text.clone(),
             biz_type: c.biz_type.to_string(),
-            durability: settings.durability.as_str(),
+            durability: settings.durability,
             subject: subject.as_str().to_owned(),
             client: caller.name.clone(),
             issued_at: ms_to_time(c.issued_at_ms()).unwrap_or_else(Utc::now),
@@ -212,12 +213,12 @@ impl Ledger {
     }
 
     /// Counts a consume outcome (order events count as consumes too).
-    pub fn count_consume(&self, biz: &BizType, outcome: &str, stat: Option<Stat>) {
+    pub fn count_consume(&self, biz: &BizType, outcome: ConsumeOutcome) {
         self.metrics
             .consume_total
-            .with_label_values(&[biz.as_str(), outcome])
+            .with_label_values(&[biz.as_str(), outcome.as_str()])
             .inc();
-        if let Some(s) = stat {
+        if let Some(s) = outcome.stat() {
             self.metrics.stat(biz.as_str(), s);
         }
     }

@@ -128,7 +128,7 @@ impl Ledger {
             id: id.as_i64(),
             token: token.clone(),
             biz_type: biz.to_string(),
-            durability: settings.durability.as_str(),
+            durability: settings.durability,
             subject: subject.as_str().to_owned(),
             client: caller.name.clone(),
             issued_at: ms_to_time(id.timestamp_ms()).unwrap_or_else(Utc::now),

@@ -36,5 +36,7 @@ mod degraded;
 mod issue;
 mod result;
 
-pub use api::{ConsumeAnswer, ConsumeInput, DuplicateStatus, Issued, LedgerError, ResultAnswer};
+pub use api::{
+    ConsumeAnswer, ConsumeInput, ConsumeOutcome, DuplicateStatus, Issued, LedgerError, ResultAnswer,
+};
 pub use core::Ledger;

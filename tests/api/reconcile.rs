@@ -10,7 +10,7 @@ use idempotency_ledger::durable::Pools;
 use idempotency_ledger::fast::FastTier;
 use idempotency_ledger::metrics::Metrics;
 use idempotency_ledger::reconcile::{
-    Classes, Options, Progress, Quiet, ReconcileError, Reconciler, Report,
+    Class, Classes, Options, Phase, Progress, Quiet, ReconcileError, Reconciler, Report,
 };
 use redis::AsyncCommands;
 use reqwest::StatusCode;
@@ -139,14 +139,16 @@ fn expected(
     orders: u64,
     purge: u64,
 ) -> Classes {
-    Classes {
-        redis_live_but_consumed: live_consumed,
-        redis_missing_but_live: missing,
-        stale_provisional: stale,
-        journal_not_durable: journal,
-        order_inconsistent: orders,
-        expired_purgeable: purge,
-    }
+    [
+        (Class::RedisLiveButConsumed, live_consumed),
+        (Class::RedisMissingButLive, missing),
+        (Class::StaleProvisional, stale),
+        (Class::JournalNotDurable, journal),
+        (Class::OrderInconsistent, orders),
+        (Class::ExpiredPurgeable, purge),
+    ]
+    .into_iter()
+    .collect()
 }
 
 #[tokio::test]
@@ -526,7 +528,7 @@ struct Paused {
 }
 
 impl Progress for Paused {
-    fn phase(&self, _: &'static str, _: Option<u64>) {
+    fn phase(&self, _: Phase, _: Option<u64>) {
         let _ = self.started.send(());
         let _ = self.go.lock().expect("lock").recv();
     }
@@ -666,20 +668,20 @@ async fn cli_usage_errors_exit_2() {
 
 /// Cancels the run once `phase` has done `after` items (a Ctrl-C mid-phase).
 struct CancelIn {
-    phase: &'static str,
+    phase: Phase,
     after: u64,
     cancel: CancellationToken,
-    state: std::sync::Mutex<(&'static str, u64)>,
+    state: std::sync::Mutex<(Option<Phase>, u64)>,
 }
 
 impl Progress for CancelIn {
-    fn phase(&self, name: &'static str, _: Option<u64>) {
-        *self.state.lock().expect("lock") = (name, 0);
+    fn phase(&self, phase: Phase, _: Option<u64>) {
+        *self.state.lock().expect("lock") = (Some(phase), 0);
     }
     fn advance(&self, n: u64) {
         let mut s = self.state.lock().expect("lock");
         s.1 += n;
-        if s.0 == self.phase && s.1 >= self.after {
+        if s.0 == Some(self.phase) && s.1 >= self.after {
             self.cancel.cancel();
         }
     }
@@ -704,10 +706,10 @@ async fn an_interrupted_run_stops_between_batches_and_a_rerun_finishes() {
     let (rec, pools) = reconciler(&stores);
     let cancel = CancellationToken::new();
     let progress = CancelIn {
-        phase: "live tokens",
+        phase: Phase::LiveTokens,
         after: 1,
         cancel: cancel.clone(),
-        state: std::sync::Mutex::new(("", 0)),
+        state: std::sync::Mutex::new((None, 0)),
     };
     let first = rec
         .run(&Options::default(), &progress, &cancel)
@@ -715,10 +717,15 @@ async fn an_interrupted_run_stops_between_batches_and_a_rerun_finishes() {
         .expect("runs");
     assert!(first.interrupted, "{first:#?}");
     assert_eq!(
-        first.repaired.redis_missing_but_live, 2,
+        first.repaired.get(Class::RedisMissingButLive),
+        2,
         "one batch, then stop"
     );
-    assert_eq!(first.found.expired_purgeable, 0, "later phases did not run");
+    assert_eq!(
+        first.found.get(Class::ExpiredPurgeable),
+        0,
+        "later phases did not run"
+    );
 
     // The lock went with the interrupted run; the rerun does the rest.
     let second = rec
@@ -726,7 +733,11 @@ async fn an_interrupted_run_stops_between_batches_and_a_rerun_finishes() {
         .await
         .expect("runs");
     assert!(!second.interrupted);
-    assert_eq!(second.repaired.redis_missing_but_live, 4, "{second:#?}");
+    assert_eq!(
+        second.repaired.get(Class::RedisMissingButLive),
+        4,
+        "{second:#?}"
+    );
     let third = rec
         .run(&Options::default(), &Quiet, &CancellationToken::new())
         .await
