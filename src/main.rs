@@ -6,7 +6,7 @@ use clap::Parser;
 use idempotency_ledger::cli::{self, Cli};
 
 /// mimalloc: a request allocates a few dozen small objects across threads
-/// (actix workers, Redis and Postgres driver tasks); measured in the README's
+/// (actix workers, Redis and Postgres driver tasks); measured in docs/development.md's
 /// Benchmarks section.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;

@@ -846,7 +846,7 @@ async fn signing_keys_rotate_without_refusing_live_tokens() {
         "a retired-but-listed key still verifies"
     );
     // An instance that was never told of k2 refuses its tokens: add the key
-    // everywhere before making it active (README, "Rotating the signing key").
+    // everywhere before making it active (docs/operations.md, "Rotating the signing key").
     let (s, _, body) = answer(
         old.consume(PAYMENTS, &by_new, &json!({"subject": "c"}))
             .await,
