@@ -1,7 +1,7 @@
-//! Audit queries shared by the HTTP admin routes and the `audit` CLI: what
-//! happened to one token, pages of audit events (opaque keyset cursor over
-//! `(at, id)`, newest first) and the fleet-wide stats. Reads the admin pool
-//! only; SQL lives in [`crate::durable::admin`].
+//! Audit queries shared by the HTTP admin routes and the `audit` CLI
+//! ([`Admin`]): what happened to one token, pages of audit events (opaque
+//! keyset cursor over `(at, id)`, newest first) and the fleet-wide stats.
+//! Reads the admin pool only; SQL lives in [`crate::durable::admin`].
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -14,6 +14,7 @@ use serde_json::Value as Json;
 use sqlx::PgPool;
 use utoipa::ToSchema;
 
+use crate::config::Settings;
 use crate::domain::AuditKind;
 use crate::durable::admin::{self as sql, EventFilter, EventRow};
 use crate::durable::tokens::TokenState;
@@ -104,10 +105,43 @@ pub struct TokenView {
     pub events: Vec<AuditEvent>,
 }
 
-/// One token: its record and its audit events. `TokenInvalid` for text that
-/// does not verify; `TokenNotFound` when Postgres has neither a record nor
-/// an audit event of it.
-pub async fn token(pool: &PgPool, codec: &TokenCodec, text: &str) -> Result<TokenView, AdminError> {
+/// The audit queries over the admin pool (payments never wait behind them).
+#[derive(Debug, Clone)]
+pub struct Admin {
+    pool: PgPool,
+    codec: TokenCodec,
+    /// The configured biz types: every one shows in the stats, idle or not.
+    biz_types: Vec<String>,
+}
+
+impl Admin {
+    pub fn new(settings: &Settings, admin_pool: PgPool) -> Admin {
+        Admin {
+            pool: admin_pool,
+            codec: TokenCodec::new(settings.tokens.signing_keys.clone()),
+            biz_types: settings.biz.keys().map(|b| b.to_string()).collect(),
+        }
+    }
+
+    /// One token: its record and its audit events. `TokenInvalid` for text
+    /// that does not verify; `TokenNotFound` when Postgres has neither a
+    /// record nor an audit event of it.
+    pub async fn token(&self, text: &str) -> Result<TokenView, AdminError> {
+        token(&self.pool, &self.codec, text).await
+    }
+
+    /// One page of audit events, newest first.
+    pub async fn audit(&self, query: &AuditQuery) -> Result<AuditPage, AdminError> {
+        audit(&self.pool, query).await
+    }
+
+    /// Fleet-wide counters over `window`; `mode` is this instance's.
+    pub async fn stats(&self, window: &Window, mode: Mode) -> Result<Stats, AdminError> {
+        stats(&self.pool, window, mode, self.biz_types.iter().cloned()).await
+    }
+}
+
+async fn token(pool: &PgPool, codec: &TokenCodec, text: &str) -> Result<TokenView, AdminError> {
     let verified = codec.verify(text).map_err(|_| AdminError::TokenInvalid)?;
     let id = verified.claims.id.as_i64();
     let (row, events) = sql::token_story(pool, id, TOKEN_EVENTS_LIMIT).await?;
@@ -237,8 +271,7 @@ pub fn decode_cursor(cursor: &str) -> Result<(DateTime<Utc>, i64), AdminError> {
     Ok((at, id))
 }
 
-/// One page of audit events, newest first.
-pub async fn audit(pool: &PgPool, query: &AuditQuery) -> Result<AuditPage, AdminError> {
+async fn audit(pool: &PgPool, query: &AuditQuery) -> Result<AuditPage, AdminError> {
     query.validate()?;
     let before = query.cursor.as_deref().map(decode_cursor).transpose()?;
     let filter = EventFilter {
@@ -325,9 +358,9 @@ pub struct Stats {
     pub biz_types: BTreeMap<String, BizStats>,
 }
 
-/// Fleet-wide counters over `window`, from `stats_minutely` (minute buckets:
-/// the oldest minute that overlaps the window counts whole).
-pub async fn stats(
+/// From `stats_minutely` (minute buckets: the oldest minute that overlaps the
+/// window counts whole).
+async fn stats(
     pool: &PgPool,
     window: &Window,
     mode: Mode,

@@ -1,6 +1,10 @@
 //! Validated request values ("parse, don't validate"): biz types, subjects,
 //! fingerprints, request ids, order ids. Each newtype can only hold a valid
-//! value. Also the audit kinds, a closed set that Postgres stores as an enum.
+//! value. Also the closed sets Postgres stores as enums: the audit kinds, and
+//! the order states with their state machine ([`order`]). Pure: nothing here
+//! imports the rest of the crate.
+
+pub mod order;
 
 use std::fmt;
 

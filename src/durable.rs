@@ -168,3 +168,11 @@ where
         .observe(start.elapsed().as_secs_f64());
     out.map_err(Into::into)
 }
+
+impl Pools {
+    /// Whether the payment pool answers `SELECT 1` within `within` (readiness).
+    pub async fn hot_reachable(&self, within: std::time::Duration) -> bool {
+        let ping = sqlx::query_scalar::<_, i32>("SELECT 1").fetch_one(&self.hot);
+        matches!(tokio::time::timeout(within, ping).await, Ok(Ok(_)))
+    }
+}

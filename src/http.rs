@@ -1,7 +1,8 @@
 //! The HTTP surface of API.md: routes ([`tokens`], [`orders`], [`admin`], [`ops`]),
 //! extractors ([`extract`]), request limits ([`limits`]), the error body
 //! ([`error`]) and the generated OpenAPI description ([`openapi`]). Handlers
-//! receive the ledger, never a pool.
+//! receive the services of [`AppState`] (the ledger, orders, the audit
+//! queries, the reconciler), never a pool or a Redis connection.
 
 pub mod admin;
 pub mod error;
@@ -24,15 +25,24 @@ use serde::Serialize;
 use tracing::Instrument;
 use utoipa::ToSchema;
 
+use crate::admin::Admin;
 use crate::auth::Clients;
+use crate::config::LimitSettings;
 use crate::ledger::Ledger;
+use crate::orders::Orders;
+use crate::reconcile::Reconciler;
 use error::ApiError;
 
 /// What every handler can reach.
 #[derive(Debug, Clone)]
 pub struct AppState {
     pub ledger: Arc<Ledger>,
+    pub orders: Orders,
+    pub admin: Admin,
+    pub reconciler: Reconciler,
     pub clients: Clients,
+    /// Request limits checked before any I/O.
+    pub limits: LimitSettings,
 }
 
 /// The error body of every refusal.

@@ -1,150 +1,23 @@
-//! Orders: the payment state machine. [`transition`] is the one place that
-//! says which event may follow which state (pure, exhaustively tested);
-//! [`Orders`] applies events, each consuming a durable token of the order's
-//! subject in the same Postgres transaction as the state change, the event row
-//! and the audit row (see `durable::orders`).
+//! Orders: [`Orders`] creates orders and applies events to them, each event
+//! consuming a durable token of the order's subject in the same Postgres
+//! transaction as the state change, the event row and the audit row. Which
+//! event may follow which state is [`crate::domain::order::transition`]'s
+//! (pure); the statements are [`crate::durable::orders`]'; the token is the
+//! ledger's ([`Ledger::consume_for_order`] takes this module's transaction).
 
-use std::fmt;
+use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 
 use crate::auth::Client;
 use crate::config::Durability;
-use crate::domain::{AuditKind, Fingerprint, OrderId, RequestId, Subject};
+use crate::domain::order::{transition, Amounts, OrderEvent, OrderState, TransitionError};
+use crate::domain::{Fingerprint, OrderId, RequestId, Subject};
 use crate::durable::orders::{
-    self as sql, EventWrite, LockedOrder, NewOrder, OrderRow, TokenUsage,
+    self as sql, LockedOrder, NewOrder, OrderChange, OrderEventRecord, OrderRow, TokenUsage,
 };
-use crate::durable::{timed, DurableError};
-use crate::fast::Marker;
+use crate::durable::{timed, DurableError, Pools};
 use crate::ledger::{ConsumeOutcome, Ledger, LedgerError};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, sqlx::Type)]
-#[sqlx(type_name = "order_state", rename_all = "SCREAMING_SNAKE_CASE")]
-pub enum OrderState {
-    Created,
-    Paid,
-    PartiallyRefunded,
-    Refunded,
-    Closed,
-}
-
-impl OrderState {
-    pub const ALL: [OrderState; 5] = [
-        OrderState::Created,
-        OrderState::Paid,
-        OrderState::PartiallyRefunded,
-        OrderState::Refunded,
-        OrderState::Closed,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OrderState::Created => "CREATED",
-            OrderState::Paid => "PAID",
-            OrderState::PartiallyRefunded => "PARTIALLY_REFUNDED",
-            OrderState::Refunded => "REFUNDED",
-            OrderState::Closed => "CLOSED",
-        }
-    }
-}
-
-impl fmt::Display for OrderState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// What a token-carrying call asks of an order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OrderEvent {
-    Pay,
-    Refund { amount_minor: i64 },
-    Close,
-}
-
-impl OrderEvent {
-    /// The event kind as stored (`order_event_kind`, `audit_kind`).
-    pub fn kind(self) -> AuditKind {
-        match self {
-            OrderEvent::Pay => AuditKind::OrderPaid,
-            OrderEvent::Refund { .. } => AuditKind::OrderRefunded,
-            OrderEvent::Close => AuditKind::OrderClosed,
-        }
-    }
-}
-
-/// The money side of an order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Amounts {
-    pub amount_minor: i64,
-    pub refunded_minor: i64,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum TransitionError {
-    #[error("{event} is not allowed in state {state}")]
-    Illegal {
-        state: OrderState,
-        event: &'static str,
-    },
-    #[error("refund of {requested} exceeds the {refundable} still refundable")]
-    RefundExceedsPaid { requested: i64, refundable: i64 },
-}
-
-/// The state machine:
-///
-/// | state \ event        | pay  | refund (partial / rest)            | close  |
-/// |----------------------|------|------------------------------------|--------|
-/// | CREATED              | PAID | illegal                            | CLOSED |
-/// | PAID                 | illegal | PARTIALLY_REFUNDED / REFUNDED   | illegal |
-/// | PARTIALLY_REFUNDED   | illegal | PARTIALLY_REFUNDED / REFUNDED   | illegal |
-/// | REFUNDED, CLOSED     | illegal | illegal                         | illegal |
-///
-/// A refund beyond what remains is `RefundExceedsPaid`; a refund amount must
-/// be positive (the caller validates it).
-pub fn transition(
-    state: OrderState,
-    amounts: Amounts,
-    event: OrderEvent,
-) -> Result<(OrderState, Amounts), TransitionError> {
-    use OrderState::*;
-    let illegal = Err(TransitionError::Illegal {
-        state,
-        event: event.kind().as_str(),
-    });
-    match (state, event) {
-        (Created, OrderEvent::Pay) => Ok((Paid, amounts)),
-        (Created, OrderEvent::Close) => Ok((Closed, amounts)),
-        (Paid | PartiallyRefunded, OrderEvent::Refund { amount_minor }) => {
-            if amount_minor <= 0 {
-                return illegal;
-            }
-            let refundable = amounts.amount_minor - amounts.refunded_minor;
-            if amount_minor > refundable {
-                return Err(TransitionError::RefundExceedsPaid {
-                    requested: amount_minor,
-                    refundable,
-                });
-            }
-            let refunded = amounts.refunded_minor + amount_minor;
-            let next = if refunded == amounts.amount_minor {
-                Refunded
-            } else {
-                PartiallyRefunded
-            };
-            Ok((
-                next,
-                Amounts {
-                    refunded_minor: refunded,
-                    ..amounts
-                },
-            ))
-        }
-        (Created, OrderEvent::Refund { .. })
-        | (Paid | PartiallyRefunded, OrderEvent::Pay | OrderEvent::Close)
-        | (Refunded | Closed, _) => illegal,
-    }
-}
 
 /// An order as the API shows it.
 #[derive(Debug, Clone, PartialEq)]
@@ -158,14 +31,6 @@ pub struct Order {
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
     pub events: Vec<OrderEventRecord>,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct OrderEventRecord {
-    pub kind: String,
-    pub token: Option<String>,
-    pub amount_minor: i64,
-    pub at: DateTime<Utc>,
 }
 
 /// A validated create request.
@@ -265,7 +130,7 @@ fn decide(
     input: &EventInput,
 ) -> Result<Decision, OrderError> {
     if let Some(used) = &usage.used_by {
-        if used.order_id != order_id || used.kind != input.event.kind().as_str() {
+        if used.order_id != order_id || used.kind != Some(input.event.kind()) {
             return Err(OrderError::TokenAlreadyUsed);
         }
         if let (Some(a), Some(b)) = (&usage.fingerprint, &input.fingerprint) {
@@ -291,15 +156,17 @@ fn decide(
     Ok(Decision::Apply { next, after })
 }
 
-/// Order operations over the ledger's pools and codec.
-#[derive(Debug, Clone, Copy)]
-pub struct Orders<'a> {
-    ledger: &'a Ledger,
+/// Order operations: the order's statements on the payment pool, its token
+/// through the ledger. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Orders {
+    ledger: Arc<Ledger>,
+    pools: Pools,
 }
 
-impl<'a> Orders<'a> {
-    pub fn new(ledger: &'a Ledger) -> Orders<'a> {
-        Orders { ledger }
+impl Orders {
+    pub fn new(ledger: Arc<Ledger>, pools: Pools) -> Orders {
+        Orders { ledger, pools }
     }
 
     fn visible(caller: &Client, row: &OrderRow) -> bool {
@@ -314,7 +181,7 @@ impl<'a> Orders<'a> {
         caller: &Client,
         req: &CreateOrder,
     ) -> Result<(Created, Order), OrderError> {
-        let pool = &self.ledger.pools().hot;
+        let pools = &self.pools;
         let metrics = self.ledger.metrics();
         let new = NewOrder {
             order_id: req.order_id.as_str(),
@@ -323,17 +190,16 @@ impl<'a> Orders<'a> {
             amount_minor: req.amount_minor,
             currency: &req.currency,
         };
-        let pools = self.ledger.pools();
         let inserted = timed(
             metrics,
             "order_create",
-            pools.bounded(sql::create(pool, &new)),
+            pools.bounded(sql::create(&pools.hot, &new)),
         )
         .await?;
         let (row, events) = timed(
             metrics,
             "order_get",
-            pools.bounded(sql::get(pool, req.order_id.as_str())),
+            pools.bounded(sql::get(&pools.hot, req.order_id.as_str())),
         )
         .await?
         .ok_or(OrderError::NotFound)?;
@@ -355,9 +221,7 @@ impl<'a> Orders<'a> {
         let (row, events) = timed(
             self.ledger.metrics(),
             "order_get",
-            self.ledger
-                .pools()
-                .bounded(sql::get(&self.ledger.pools().hot, order_id)),
+            self.pools.bounded(sql::get(&self.pools.hot, order_id)),
         )
         .await?
         .ok_or(OrderError::NotFound)?;
@@ -382,7 +246,7 @@ impl<'a> Orders<'a> {
         order_id: &str,
         input: &EventInput,
     ) -> Result<(Applied, Order), OrderError> {
-        let deadline = self.ledger.pools().deadline * 2;
+        let deadline = self.pools.deadline * 2;
         match tokio::time::timeout(deadline, self.apply_unbounded(caller, order_id, input)).await {
             Ok(out) => out,
             Err(_) => Err(DurableError::TimedOut(deadline).into()),
@@ -395,34 +259,31 @@ impl<'a> Orders<'a> {
         order_id: &str,
         input: &EventInput,
     ) -> Result<(Applied, Order), OrderError> {
-        let ledger = self.ledger;
-        // No I/O: tag, biz type known and granted, durable.
-        let token = ledger.verify(&input.token)?;
-        ledger.issued_by_fleet(&token)?;
-        let biz = token.claims.biz_type.clone();
-        let settings = ledger.biz_settings_for(caller, &biz)?;
-        if settings.durability != Durability::Durable {
+        let ledger = &self.ledger;
+        // No I/O: tag, issued by the fleet, biz type known and granted, durable.
+        let token = ledger.check_order_token(caller, &input.token)?;
+        if token.durability() != Durability::Durable {
             return Err(OrderError::DurableTokenRequired);
         }
         if OrderId::parse(order_id).is_err() {
             return Err(OrderError::NotFound);
         }
-        let pool = &ledger.pools().hot;
+        let biz = token.verified().claims.biz_type.clone();
         let metrics = ledger.metrics();
-        let mut tx = pool.begin().await.map_err(DurableError::from)?;
-        let locked: LockedOrder =
-            match timed(metrics, "order_lock", sql::lock(&mut tx, order_id, &token)).await? {
-                Some(l) if Self::visible(caller, &l.order) => l,
-                _ => return Err(OrderError::NotFound),
-            };
+        let mut tx = self.pools.hot.begin().await.map_err(DurableError::from)?;
+        let locked: LockedOrder = match timed(
+            metrics,
+            "order_lock",
+            sql::lock(&mut tx, order_id, token.verified()),
+        )
+        .await?
+        {
+            Some(l) if Self::visible(caller, &l.order) => l,
+            _ => return Err(OrderError::NotFound),
+        };
         let subject =
             Subject::parse(&locked.order.subject).map_err(|e| LedgerError::InvalidRequest(e.0))?;
-        if !ledger
-            .codec()
-            .is_bound_to(&token, &caller.name, subject.as_str())
-        {
-            return Err(LedgerError::TokenMismatch.into());
-        }
+        ledger.check_binding(&token, caller, &subject)?;
         // In READ COMMITTED the order row is re-read after waiting for its
         // lock, but the token columns joined to it come from the statement's
         // snapshot, taken before the wait. A refusal is therefore decided again
@@ -430,37 +291,33 @@ impl<'a> Orders<'a> {
         let mut usage = locked.usage.clone();
         let mut decision = decide(&locked.order, &usage, order_id, input);
         if !matches!(decision, Ok(Decision::Apply { .. })) {
-            usage = timed(metrics, "order_token", sql::token_usage(&mut tx, &token)).await?;
+            usage = timed(
+                metrics,
+                "order_token",
+                sql::token_usage(&mut tx, token.verified()),
+            )
+            .await?;
             decision = decide(&locked.order, &usage, order_id, input);
         }
         let (next, after) = match decision? {
             Decision::Apply { next, after } => (next, after),
             Decision::Repeat { replay } => {
                 drop(tx);
-                let outcome = if replay {
-                    ConsumeOutcome::Replayed
+                let (outcome, applied) = if replay {
+                    (ConsumeOutcome::Replayed, Applied::Replayed)
                 } else {
-                    ConsumeOutcome::Duplicate
+                    (ConsumeOutcome::Duplicate, Applied::Duplicate)
                 };
                 ledger.count_consume(&biz, outcome);
                 let order = self.get(caller, order_id).await?;
-                return Ok((
-                    if replay {
-                        Applied::Replayed
-                    } else {
-                        Applied::Duplicate
-                    },
-                    order,
-                ));
+                return Ok((applied, order));
             }
             Decision::Expired => {
                 ledger.count_consume(&biz, ConsumeOutcome::Expired);
                 return Err(LedgerError::TokenExpired.into());
             }
         };
-        let record = ledger.record_for(&token, settings, caller, &subject);
-        let write = EventWrite {
-            record: &record,
+        let change = OrderChange {
             order_id,
             kind: input.event.kind(),
             next_state: next,
@@ -473,110 +330,14 @@ impl<'a> Orders<'a> {
             request_id: input.request_id.as_ref().map(RequestId::as_str),
             reason: input.reason.as_deref(),
         };
-        let applied = timed(metrics, "order_event", sql::write_event(&mut tx, &write)).await?;
-        if !applied {
+        if !ledger
+            .consume_for_order(tx, &token, caller, &subject, &change)
+            .await?
+        {
             // The token was consumed (or expired) between our read and write.
-            drop(tx);
             return Err(OrderError::TokenAlreadyUsed);
         }
-        tx.commit().await.map_err(DurableError::from)?;
-        ledger.count_consume(&biz, ConsumeOutcome::Consumed);
-        ledger.settle_consumed_in_background(
-            &token.text,
-            None,
-            Marker {
-                at_ms: Utc::now().timestamp_millis(),
-                request_id: write.request_id.map(str::to_owned),
-                fingerprint: write.fingerprint.map(str::to_owned),
-                result: None,
-            },
-        );
         let order = self.get(caller, order_id).await?;
         Ok((Applied::Applied, order))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    const A: Amounts = Amounts {
-        amount_minor: 1000,
-        refunded_minor: 0,
-    };
-
-    #[test]
-    fn exhaustive_table() {
-        use OrderState::*;
-        let events = [
-            OrderEvent::Pay,
-            OrderEvent::Close,
-            OrderEvent::Refund { amount_minor: 400 },
-            OrderEvent::Refund { amount_minor: 1000 },
-        ];
-        for state in OrderState::ALL {
-            for event in events {
-                let amounts = if state == PartiallyRefunded {
-                    Amounts {
-                        refunded_minor: 400,
-                        ..A
-                    }
-                } else {
-                    A
-                };
-                let got = transition(state, amounts, event).map(|(s, a)| (s, a.refunded_minor));
-                let want = match (state, event) {
-                    (Created, OrderEvent::Pay) => Ok((Paid, 0)),
-                    (Created, OrderEvent::Close) => Ok((Closed, 0)),
-                    (Paid, OrderEvent::Refund { amount_minor: 400 }) => {
-                        Ok((PartiallyRefunded, 400))
-                    }
-                    (Paid, OrderEvent::Refund { .. }) => Ok((Refunded, 1000)),
-                    (PartiallyRefunded, OrderEvent::Refund { amount_minor: 400 }) => {
-                        Ok((PartiallyRefunded, 800))
-                    }
-                    (PartiallyRefunded, OrderEvent::Refund { .. }) => Err("exceeds"),
-                    _ => Err("illegal"),
-                };
-                match (got, want) {
-                    (Ok(g), Ok(w)) => assert_eq!(g, w, "{state} {event:?}"),
-                    (Err(TransitionError::RefundExceedsPaid { .. }), Err("exceeds")) => {}
-                    (Err(TransitionError::Illegal { state: s, .. }), Err("illegal")) => {
-                        assert_eq!(s, state)
-                    }
-                    (g, w) => panic!("{state} {event:?}: got {g:?}, want {w:?}"),
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn refunds_must_be_positive() {
-        assert!(transition(OrderState::Paid, A, OrderEvent::Refund { amount_minor: 0 }).is_err());
-        assert!(transition(OrderState::Paid, A, OrderEvent::Refund { amount_minor: -5 }).is_err());
-    }
-
-    proptest! {
-        /// Whatever the sequence, refunds never exceed the amount and the
-        /// state agrees with the amounts.
-        #[test]
-        fn invariants_hold(amount in 1i64..10_000, events in proptest::collection::vec((0u8..3, 1i64..5_000), 0..30)) {
-            let mut state = OrderState::Created;
-            let mut amounts = Amounts { amount_minor: amount, refunded_minor: 0 };
-            for (k, n) in events {
-                let event = match k { 0 => OrderEvent::Pay, 1 => OrderEvent::Close, _ => OrderEvent::Refund { amount_minor: n } };
-                if let Ok((s, a)) = transition(state, amounts, event) {
-                    state = s;
-                    amounts = a;
-                }
-                prop_assert!(amounts.refunded_minor >= 0 && amounts.refunded_minor <= amounts.amount_minor);
-                match state {
-                    OrderState::Refunded => prop_assert_eq!(amounts.refunded_minor, amounts.amount_minor),
-                    OrderState::PartiallyRefunded => prop_assert!(amounts.refunded_minor > 0 && amounts.refunded_minor < amounts.amount_minor),
-                    _ => prop_assert_eq!(amounts.refunded_minor, 0),
-                }
-            }
-        }
     }
 }

@@ -13,15 +13,17 @@ use anyhow::Context;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::admin::Admin;
 use crate::auth::Clients;
 use crate::config::Settings;
 use crate::durable::{setup, Pools};
 use crate::fast::FastTier;
-use crate::health::Mode;
 use crate::http::{self, AppState};
 use crate::lease::WorkerLease;
 use crate::ledger::Ledger;
 use crate::metrics::Metrics;
+use crate::orders::Orders;
+use crate::reconcile::Reconciler;
 use crate::token::{Clock, SystemClock};
 use crate::{bloom, journal, writer};
 
@@ -41,6 +43,7 @@ pub struct Application {
     port: u16,
     server: Server,
     ledger: Arc<Ledger>,
+    pools: Pools,
     shutdown: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
     writer_task: JoinHandle<()>,
@@ -135,7 +138,11 @@ impl Application {
         let port = listener.local_addr()?.port();
         let state = web::Data::new(AppState {
             ledger: ledger.clone(),
+            orders: Orders::new(ledger.clone(), pools.clone()),
+            admin: Admin::new(&settings, pools.admin.clone()),
+            reconciler: Reconciler::new(&settings, pools.admin.clone(), fast.clone()),
             clients: Clients::new(settings.clients.clone()),
+            limits: settings.limits.clone(),
         });
         let mut server = HttpServer::new(move || {
             App::new()
@@ -156,6 +163,7 @@ impl Application {
             port,
             server,
             ledger,
+            pools,
             shutdown,
             tasks,
             writer_task,
@@ -187,15 +195,11 @@ impl Application {
         for t in self.tasks {
             t.abort();
         }
-        self.ledger.pools().close().await;
+        self.pools.close().await;
         served.context("http server")
     }
 }
 
-/// Every 250 ms: probes Redis while it is marked down (the breaker's recovery
-/// probe) or slow (so that the latency window keeps moving without traffic),
-/// replays the writes queued for Redis once it answers, and re-evaluates the
-/// mode (logged once per change, exported as `ledger_mode`).
 /// Forgets the issue-rate buckets of (client, subject) pairs that are full
 /// again: subjects are chosen by callers, and each one seen would otherwise
 /// hold memory for the life of the process.
@@ -209,22 +213,13 @@ async fn prune_rate_limiters(ledger: Arc<Ledger>, shutdown: CancellationToken) {
     }
 }
 
+/// Every 250 ms: [`Ledger::tend_redis`].
 async fn watch_redis(ledger: Arc<Ledger>, shutdown: CancellationToken) {
     loop {
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(250)) => {}
             _ = shutdown.cancelled() => return,
         }
-        let fast = ledger.fast();
-        if fast.mode() != Mode::Normal {
-            fast.probe().await;
-        }
-        if !fast.is_down() {
-            let left = ledger.resync_redis().await;
-            if left > 0 {
-                tracing::warn!(left, "redis writes still queued");
-            }
-        }
-        fast.health().evaluate();
+        ledger.tend_redis().await;
     }
 }

@@ -12,14 +12,13 @@ use clap::{Args, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio_util::sync::CancellationToken;
 
-use crate::admin::{self, AdminError, AuditEvent, AuditPage, AuditQuery, TokenView};
+use crate::admin::{self, Admin, AdminError, AuditEvent, AuditPage, AuditQuery, TokenView};
 use crate::config::Settings;
 use crate::domain::AuditKind;
 use crate::durable::Pools;
 use crate::fast::FastTier;
 use crate::metrics::Metrics;
 use crate::reconcile::{self, LogProgress, Phase, Progress, ReconcileError, Reconciler};
-use crate::token::TokenCodec;
 
 /// Exit code when another reconcile run holds the lock.
 pub const EXIT_RUNNING: u8 = 3;
@@ -245,25 +244,22 @@ pub async fn audit(settings: &Settings, command: AuditCommand) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let pool = &pools.admin;
+    let audit = Admin::new(settings, pools.admin.clone());
     let code = match command {
-        AuditCommand::Token { token, format } => {
-            let codec = TokenCodec::new(settings.tokens.signing_keys.clone());
-            match admin::token(pool, &codec, &token).await {
-                Ok(view) => {
-                    let table = format
-                        .map(|f| f == TokenFormat::Table)
-                        .unwrap_or_else(stdout_is_terminal);
-                    if table {
-                        print!("{}", token_table(&view));
-                    } else {
-                        println!("{}", json(&view));
-                    }
-                    ExitCode::SUCCESS
+        AuditCommand::Token { token, format } => match audit.token(&token).await {
+            Ok(view) => {
+                let table = format
+                    .map(|f| f == TokenFormat::Table)
+                    .unwrap_or_else(stdout_is_terminal);
+                if table {
+                    print!("{}", token_table(&view));
+                } else {
+                    println!("{}", json(&view));
                 }
-                Err(e) => fail(e),
+                ExitCode::SUCCESS
             }
-        }
+            Err(e) => fail(e),
+        },
         AuditCommand::Events(args) => {
             let query = AuditQuery {
                 subject: args.subject,
@@ -275,7 +271,7 @@ pub async fn audit(settings: &Settings, command: AuditCommand) -> ExitCode {
                 limit: args.limit,
                 cursor: args.cursor,
             };
-            match admin::audit(pool, &query).await {
+            match audit.audit(&query).await {
                 Ok(page) => {
                     let format = args.format.unwrap_or(if stdout_is_terminal() {
                         EventsFormat::Table

@@ -1,6 +1,6 @@
 //! Order statements. An event runs in one transaction: [`lock`] reads the
 //! order `FOR UPDATE` together with what is known of the token, the caller
-//! decides with `orders::transition`, and [`write_event`] consumes the token,
+//! decides with `domain::order::transition`, and [`write_event`] consumes the token,
 //! moves the order and writes the event and audit rows in one statement.
 
 use chrono::{DateTime, Utc};
@@ -9,9 +9,24 @@ use sqlx::{PgPool, Postgres, Row, Transaction};
 
 use super::tokens::TokenRecord;
 use super::DurableError;
+use crate::domain::order::OrderState;
 use crate::domain::AuditKind;
-use crate::orders::{OrderEventRecord, OrderState};
 use crate::token::VerifiedToken;
+
+/// One event of an order, oldest first in [`get`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct OrderEventRecord {
+    /// `order.created`, `order.paid`, `order.refunded` or `order.closed`.
+    pub kind: AuditKind,
+    pub token: Option<String>,
+    pub amount_minor: i64,
+    pub at: DateTime<Utc>,
+}
+
+fn event_kind(text: &str) -> Result<AuditKind, sqlx::Error> {
+    AuditKind::parse(text)
+        .ok_or_else(|| sqlx::Error::Decode(format!("unknown order event kind `{text}`").into()))
+}
 
 #[derive(Debug, Clone)]
 pub struct OrderRow {
@@ -113,13 +128,15 @@ pub async fn get(
         .zip(tokens)
         .zip(amounts)
         .zip(ats)
-        .map(|(((kind, token), amount_minor), at)| OrderEventRecord {
-            kind,
-            token,
-            amount_minor,
-            at,
+        .map(|(((kind, token), amount_minor), at)| {
+            Ok(OrderEventRecord {
+                kind: event_kind(&kind)?,
+                token,
+                amount_minor,
+                at,
+            })
         })
-        .collect();
+        .collect::<Result<_, sqlx::Error>>()?;
     Ok(Some((order, events)))
 }
 
@@ -127,7 +144,7 @@ pub async fn get(
 #[derive(Debug, Clone)]
 pub struct UsedBy {
     pub order_id: String,
-    pub kind: String,
+    pub kind: Option<AuditKind>,
     pub request_id: Option<String>,
 }
 
@@ -157,7 +174,9 @@ fn usage_of(r: &PgRow) -> Result<TokenUsage, sqlx::Error> {
             order_id,
             kind: r
                 .try_get::<Option<String>, _>("used_kind")?
-                .unwrap_or_default(),
+                .as_deref()
+                .map(event_kind)
+                .transpose()?,
             request_id: r.try_get("used_request_id")?,
         }),
         None => None,
@@ -231,9 +250,9 @@ pub async fn lock(
     }))
 }
 
+/// What an order event changes, besides consuming its token.
 #[derive(Debug, Clone)]
-pub struct EventWrite<'a> {
-    pub record: &'a TokenRecord,
+pub struct OrderChange<'a> {
     pub order_id: &'a str,
     /// `order.paid`, `order.refunded` or `order.closed`.
     pub kind: AuditKind,
@@ -246,14 +265,14 @@ pub struct EventWrite<'a> {
     pub reason: Option<&'a str>,
 }
 
-/// Consumes the token for this order and applies the event, in one
+/// Consumes the token (`r`) for this order and applies the event, in one
 /// statement. `false` when the token could not be claimed (consumed elsewhere
 /// since [`lock`], or expired): nothing was written and the caller rolls back.
 pub async fn write_event(
     tx: &mut Transaction<'_, Postgres>,
-    w: &EventWrite<'_>,
+    r: &TokenRecord,
+    w: &OrderChange<'_>,
 ) -> Result<bool, DurableError> {
-    let r = w.record;
     let row = sqlx::query(
         r#"
         WITH claim AS (

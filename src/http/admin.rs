@@ -17,7 +17,7 @@ use super::tokens::path_token;
 use super::AppState;
 use crate::admin::{self, AdminError, AuditQuery, Window};
 use crate::auth::{Client, Role};
-use crate::reconcile::{self, ReconcileError, Reconciler};
+use crate::reconcile::{self, ReconcileError};
 
 impl From<AdminError> for ApiError {
     fn from(e: AdminError) -> ApiError {
@@ -107,8 +107,7 @@ pub async fn token(
     token: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let text = path_token(&token)?;
-    let ledger = &state.ledger;
-    let view = admin::token(&ledger.pools().admin, ledger.codec(), text).await?;
+    let view = state.admin.token(text).await?;
     Ok(HttpResponse::Ok().json(view))
 }
 
@@ -191,7 +190,7 @@ pub async fn audit(
 ) -> Result<HttpResponse, ApiError> {
     let query = query.map_err(|e| ApiError::invalid(format!("bad query: {e}")))?;
     let query = query.parse()?;
-    let page = admin::audit(&state.ledger.pools().admin, &query).await?;
+    let page = state.admin.audit(&query).await?;
     Ok(HttpResponse::Ok().json(page))
 }
 
@@ -219,9 +218,7 @@ pub async fn stats(
 ) -> Result<HttpResponse, ApiError> {
     let query = query.map_err(|e| ApiError::invalid(format!("bad query: {e}")))?;
     let window = Window::parse(query.window.as_deref().unwrap_or("1h"))?;
-    let ledger = &state.ledger;
-    let configured = ledger.settings().biz.keys().map(|b| b.to_string());
-    let stats = admin::stats(&ledger.pools().admin, &window, ledger.mode(), configured).await?;
+    let stats = state.admin.stats(&window, state.ledger.mode()).await?;
     Ok(HttpResponse::Ok().json(stats))
 }
 
@@ -261,15 +258,10 @@ pub async fn run_reconcile(
                 .map_err(|_| ApiError::invalid("`since` must be a duration such as 24h, 30m, 7d"))
         })
         .transpose()?;
-    let ledger = &state.ledger;
-    let reconciler = Reconciler::new(
-        ledger.settings(),
-        ledger.pools().admin.clone(),
-        ledger.fast().clone(),
-    );
     tracing::info!(client = %caller.name, dry_run = body.dry_run, "reconcile requested over HTTP");
     let progress = reconcile::LogProgress::new(std::time::Duration::from_secs(10));
-    let report = reconciler
+    let report = state
+        .reconciler
         .run(
             &reconcile::Options {
                 dry_run: body.dry_run,

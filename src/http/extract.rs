@@ -98,7 +98,7 @@ impl<T: DeserializeOwned + BodyLimit + 'static> FromRequest for JsonBody<T> {
             .and_then(|v| v.parse::<usize>().ok());
         let max_depth = req
             .app_data::<web::Data<AppState>>()
-            .map(|s| s.ledger.settings().limits.max_json_depth)
+            .map(|s| s.limits.max_json_depth)
             .unwrap_or(32);
         let mut payload = payload.take();
         Box::pin(async move {

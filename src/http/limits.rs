@@ -19,7 +19,7 @@ pub async fn guard(
     next: Next<impl MessageBody + 'static>,
 ) -> Result<ServiceResponse<EitherBody<impl MessageBody>>, actix_web::Error> {
     let limits = req.app_data::<web::Data<AppState>>().map(|s| {
-        let l = &s.ledger.settings().limits;
+        let l = &s.limits;
         (l.max_uri_bytes, l.max_header_bytes)
     });
     if let Some((max_uri, max_headers)) = limits {

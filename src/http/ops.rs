@@ -43,13 +43,7 @@ fn redis_state(mode: Mode) -> &'static str {
     (status = 503, description = "cannot decide durable consumes (Postgres down)", body = Readiness)))]
 pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
     let ledger = &state.ledger;
-    let pg_up = tokio::time::timeout(
-        Duration::from_secs(1),
-        sqlx::query_scalar::<_, i32>("SELECT 1").fetch_one(&ledger.pools().hot),
-    )
-    .await
-    .map(|r| r.is_ok())
-    .unwrap_or(false);
+    let pg_up = ledger.postgres_reachable(Duration::from_secs(1)).await;
     let mode = ledger.mode();
     let body = Readiness {
         postgres: if pg_up { "up" } else { "down" },

@@ -10,11 +10,9 @@ use super::error::ApiError;
 use super::extract::{BodyLimit, Caller, JsonBody};
 use super::tokens::{rfc3339, REPLAYED};
 use super::AppState;
+use crate::domain::order::{OrderEvent, TransitionError};
 use crate::domain::{Fingerprint, OrderId, RequestId, Subject};
-use crate::orders::{
-    Applied, CreateOrder, Created, EventInput, Order, OrderError, OrderEvent, Orders,
-    TransitionError,
-};
+use crate::orders::{Applied, CreateOrder, Created, EventInput, Order, OrderError};
 
 const MAX_AMOUNT: i64 = 1_000_000_000_000_000;
 
@@ -87,7 +85,7 @@ impl From<Order> for OrderBody {
                 .events
                 .into_iter()
                 .map(|e| OrderEventBody {
-                    kind: e.kind,
+                    kind: e.kind.as_str().to_owned(),
                     token: e.token,
                     amount_minor: e.amount_minor,
                     at: rfc3339(e.at),
@@ -153,7 +151,7 @@ pub async fn create(
             }
         },
     };
-    let (created, order) = Orders::new(&state.ledger).create(&caller, &req).await?;
+    let (created, order) = state.orders.create(&caller, &req).await?;
     Ok(match created {
         Created::New => HttpResponse::Created().json(OrderBody::from(order)),
         Created::Replayed => HttpResponse::Ok()
@@ -175,7 +173,7 @@ pub async fn get(
     Caller(caller): Caller,
     order_id: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    let order = Orders::new(&state.ledger).get(&caller, &order_id).await?;
+    let order = state.orders.get(&caller, &order_id).await?;
     Ok(HttpResponse::Ok().json(OrderBody::from(order)))
 }
 
@@ -228,9 +226,7 @@ async fn apply(
     order_id: &str,
     input: EventInput,
 ) -> Result<HttpResponse, ApiError> {
-    let (applied, order) = Orders::new(&state.ledger)
-        .apply(caller, order_id, &input)
-        .await?;
+    let (applied, order) = state.orders.apply(caller, order_id, &input).await?;
     let body = |outcome| EventResponse {
         outcome,
         order: OrderBody::from(order),

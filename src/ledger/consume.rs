@@ -1,7 +1,8 @@
-//! The consume protocol (see the table in [`super`]): Redis first, Postgres
+//! The consume protocol (steps 2 to 4 in [`super`]): Redis first, Postgres
 //! deciding for durable types, Redis told afterwards. [`classify`] and
 //! [`answer_from_row`] turn what an earlier consume left behind into this
-//! attempt's answer.
+//! attempt's answer; their unit tests (`consume/tests.rs`) go through every
+//! row of API.md's consume table.
 
 use chrono::{DateTime, Utc};
 use serde_json::Value as Json;
@@ -60,7 +61,7 @@ impl Ledger {
         let (token, settings) =
             self.authorize(caller, text, &input.subject, input.biz_type.as_ref())?;
         let biz = token.claims.biz_type.clone();
-        let record = self.record_for(&token, settings, caller, &input.subject);
+        let record = self.record_for(&token, settings.durability, caller, &input.subject);
         let answer = match settings.durability {
             Durability::Durable => self.consume_durable(&token, &record, input).await,
             Durability::Fast => self.consume_fast(&token, &record, input).await,
@@ -419,3 +420,6 @@ pub(super) fn answer_from_row(
         ConsumeRow::Existing(_) | ConsumeRow::Expired => Err(LedgerError::TokenExpired),
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -12,7 +12,7 @@ use super::issue::IssueLimits;
 use super::{ConsumeOutcome, LedgerError};
 use crate::auth::Client;
 use crate::bloom::{IssuedFilter, Verdict};
-use crate::config::{BizSettings, Settings};
+use crate::config::{BizSettings, Durability, Settings};
 use crate::domain::{BizType, Subject};
 use crate::durable::tokens::TokenRecord;
 use crate::durable::Pools;
@@ -86,18 +86,6 @@ impl Ledger {
         }
     }
 
-    pub fn codec(&self) -> &TokenCodec {
-        &self.codec
-    }
-    pub fn settings(&self) -> &Settings {
-        &self.settings
-    }
-    pub fn pools(&self) -> &Pools {
-        &self.pools
-    }
-    pub fn fast(&self) -> &Arc<FastTier> {
-        &self.fast
-    }
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
     }
@@ -114,8 +102,32 @@ impl Ledger {
         self.fast.mode()
     }
 
+    /// Whether Postgres answers on the payment pool within `within`: durable
+    /// consumes can be decided (readiness).
+    pub async fn postgres_reachable(&self, within: Duration) -> bool {
+        self.pools.hot_reachable(within).await
+    }
+
+    /// One round of Redis upkeep (every 250 ms, see [`crate::startup`]):
+    /// probes Redis while it is marked down (the breaker's recovery probe)
+    /// or slow (so that the latency window keeps moving without traffic),
+    /// replays the writes queued for Redis once it answers, and re-evaluates
+    /// the mode (logged once per change, exported as `ledger_mode`).
+    pub async fn tend_redis(&self) {
+        if self.fast.mode() != Mode::Normal {
+            self.fast.probe().await;
+        }
+        if !self.fast.is_down() {
+            let left = self.resync_redis().await;
+            if left > 0 {
+                tracing::warn!(left, "redis writes still queued");
+            }
+        }
+        self.fast.health().evaluate();
+    }
+
     /// The biz type's settings, if it is configured (422) and granted (403).
-    pub fn biz_settings_for(
+    pub(super) fn biz_settings_for(
         &self,
         caller: &Client,
         biz: &BizType,
@@ -135,19 +147,15 @@ impl Ledger {
     /// Verifies a presented token for `caller` and `subject`: the checks of
     /// API.md in their order (token: tag, then whether the fleet issued it;
     /// biz known, biz granted, binding). No I/O.
-    pub fn authorize(
+    pub(super) fn authorize(
         &self,
         caller: &Client,
         text: &str,
         subject: &Subject,
         biz_type: Option<&BizType>,
     ) -> Result<(VerifiedToken, &BizSettings), LedgerError> {
-        let token = self.verify(text)?;
-        self.issued_by_fleet(&token)?;
-        let settings = self.biz_settings_for(caller, &token.claims.biz_type)?;
-        if !self
-            .codec
-            .is_bound_to(&token, &caller.name, subject.as_str())
+        let (token, settings) = self.authorize_unbound(caller, text)?;
+        if !self.is_bound(&token, caller, subject)
             || biz_type.is_some_and(|b| *b != token.claims.biz_type)
         {
             self.count_consume(&token.claims.biz_type, ConsumeOutcome::Mismatch);
@@ -156,8 +164,32 @@ impl Ledger {
         Ok((token, settings))
     }
 
+    /// The checks that need no subject: tag, issued by the fleet, biz type
+    /// known and granted.
+    pub(super) fn authorize_unbound(
+        &self,
+        caller: &Client,
+        text: &str,
+    ) -> Result<(VerifiedToken, &BizSettings), LedgerError> {
+        let token = self.verify(text)?;
+        self.issued_by_fleet(&token)?;
+        let settings = self.biz_settings_for(caller, &token.claims.biz_type)?;
+        Ok((token, settings))
+    }
+
+    /// Whether the token was issued to this client for this subject.
+    pub(super) fn is_bound(
+        &self,
+        token: &VerifiedToken,
+        caller: &Client,
+        subject: &Subject,
+    ) -> bool {
+        self.codec
+            .is_bound_to(token, &caller.name, subject.as_str())
+    }
+
     /// Parses and verifies the tag only.
-    pub fn verify(&self, text: &str) -> Result<VerifiedToken, LedgerError> {
+    fn verify(&self, text: &str) -> Result<VerifiedToken, LedgerError> {
         self.codec.verify(text).map_err(|e: TokenError| {
             let prefix = text.split('_').next().unwrap_or("");
             self.count_invalid(BizType::parse(prefix).ok().as_ref());
@@ -168,7 +200,7 @@ impl Ledger {
 
     /// Refuses a verified token that the fleet's filter says was never
     /// issued (a valid tag under a leaked key, say). No I/O.
-    pub fn issued_by_fleet(&self, token: &VerifiedToken) -> Result<(), LedgerError> {
+    fn issued_by_fleet(&self, token: &VerifiedToken) -> Result<(), LedgerError> {
         match self.bloom.check(token.claims.id, self.clock.now_ms()) {
             Verdict::Rejected => {
                 self.count_invalid(Some(&token.claims.biz_type));
@@ -192,10 +224,10 @@ impl Ledger {
     }
 
     /// The row a consume of `token` writes.
-    pub fn record_for(
+    pub(super) fn record_for(
         &self,
         token: &VerifiedToken,
-        settings: &BizSettings,
+        durability: Durability,
         caller: &Client,
         subject: &Subject,
     ) -> TokenRecord {
@@ -204,7 +236,7 @@ impl Ledger {
             id: c.id.as_i64(),
             token: token.text.clone(),
             biz_type: c.biz_type.to_string(),
-            durability: settings.durability,
+            durability,
             subject: subject.as_str().to_owned(),
             client: caller.name.clone(),
             issued_at: ms_to_time(c.issued_at_ms()).unwrap_or_else(Utc::now),

@@ -27,6 +27,8 @@
 //!   turn what an earlier consume left behind into an answer;
 //! - `degraded`: fast consumes while Redis is skipped, and the queue of
 //!   Redis writes replayed when it is back;
+//! - `orders`: the token of an order event, consumed in the order's
+//!   transaction;
 //! - `result`: result and release.
 
 pub mod api;
@@ -34,9 +36,11 @@ mod consume;
 mod core;
 mod degraded;
 mod issue;
+mod orders;
 mod result;
 
 pub use api::{
     ConsumeAnswer, ConsumeInput, ConsumeOutcome, DuplicateStatus, Issued, LedgerError, ResultAnswer,
 };
 pub use core::Ledger;
+pub use orders::OrderToken;

@@ -95,8 +95,10 @@ async fn durable_sessions_commit_synchronously_whatever_the_database_default() {
     .await
     .unwrap();
     let app = spawn_app_on(stores).await;
+    // Pools built as the service builds its own (same connect options).
+    let pools = idempotency_ledger::durable::Pools::new(&app.stores.settings().postgres).unwrap();
     let setting: String = sqlx::query_scalar("SHOW synchronous_commit")
-        .fetch_one(&app.ledger.pools().hot)
+        .fetch_one(&pools.hot)
         .await
         .unwrap();
     assert_eq!(setting, "on");
