@@ -5,6 +5,7 @@ mod admin;
 mod bad_input;
 mod concurrency;
 mod consume;
+mod docs_links;
 mod faults;
 mod fleet;
 mod helpers;
