@@ -1,7 +1,8 @@
 //! Every relative link of the README and `docs/` points at a file of the
 //! repository, and every `#anchor` at a heading of its target page (GitHub's
 //! anchors: lower case, punctuation dropped, spaces as `-`, `-1`, `-2` for
-//! repeated headings).
+//! repeated headings); every repository path the pages name in backticks
+//! (`src/…`, `tests/…`, `deploy/…`, …) exists, so moved code shows up here.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Component, Path, PathBuf};
@@ -156,6 +157,45 @@ fn every_link_of_the_readme_and_docs_resolves() {
         }
     }
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
+
+/// Inline code spans of a line.
+fn code_spans(line: &str) -> Vec<&str> {
+    line.split('`').skip(1).step_by(2).collect()
+}
+
+#[test]
+fn every_repository_path_the_docs_name_exists() {
+    const TOP: &[&str] = &[
+        "src/",
+        "tests/",
+        "migrations/",
+        "config/",
+        "deploy/",
+        "scripts/",
+        "fuzz/",
+        "docs/",
+        "clients/",
+    ];
+    let mut missing = Vec::new();
+    for page in pages() {
+        let text = std::fs::read_to_string(root().join(&page)).expect("readable page");
+        for line in prose(&text) {
+            for span in code_spans(line) {
+                let named = TOP.iter().any(|t| span.starts_with(t))
+                    && !span.contains(|c: char| c.is_whitespace() || "*<>…".contains(c))
+                    && !span.starts_with("fuzz/artifacts/");
+                if named && !root().join(span).exists() {
+                    missing.push(format!("{}: {span}", page.display()));
+                }
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "paths named by the docs that do not exist:\n{}",
+        missing.join("\n")
+    );
 }
 
 #[test]
