@@ -733,6 +733,13 @@ impl Raw {
         if tokens.worker_lease_ttl < Duration::from_secs(3) {
             return Err(invalid("tokens.worker_lease_ttl", "must be at least 3s"));
         }
+        // No Redis marker outlives the retention: a record purged after it
+        // must answer `token_expired` on every tier. A consumed marker lives
+        // `consumed_ttl` from its consume, so it is held to the retention.
+        let redis = RedisSettings {
+            consumed_ttl: redis.consumed_ttl.min(tokens.retention),
+            ..redis
+        };
         let bloom = self.bloom.validate(tokens.retention)?;
         let limits = self.limits.validate()?;
 

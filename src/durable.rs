@@ -1,5 +1,6 @@
 //! The durable tier: Postgres. Owns the pools and every SQL statement
-//! ([`tokens`] for the token ledger, [`lease`] for snowflake worker ids,
+//! ([`tokens`] for the token ledger, [`journal`] for the fast-type journal's
+//! versioned apply, [`lease`] for snowflake worker ids,
 //! [`setup`] for database creation, migrations and start-up checks,
 //! [`admin`] for audit queries and stats, [`reconcile`] for reconciliation,
 //! [`bloom`] for the issued-token filter's channel and load).
@@ -7,6 +8,7 @@
 
 pub mod admin;
 pub mod bloom;
+pub mod journal;
 pub mod lease;
 pub mod orders;
 pub mod reconcile;

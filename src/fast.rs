@@ -94,6 +94,16 @@ pub struct Marker {
     pub result: Option<String>,
 }
 
+/// The generation a consume script found or decided, and Redis's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyVersion {
+    /// The key's generation (bumped by every consume and release, odd while
+    /// consumed); after a win, the one it decided; -1 for a missing key.
+    pub gen: i64,
+    /// Redis's clock when the script ran, ms.
+    pub now_ms: i64,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ConsumeMode {
     Durable,
@@ -123,6 +133,7 @@ pub enum FastWrite {
 struct Scripts {
     consume: Script,
     settle: Script,
+    writeback: Script,
     fast_write: Script,
     issue: Script,
     reconcile: Script,
@@ -201,6 +212,7 @@ impl FastTier {
             scripts: Scripts {
                 consume: Script::new(include_str!("lua/consume.lua")),
                 settle: Script::new(include_str!("lua/settle.lua")),
+                writeback: Script::new(include_str!("lua/writeback.lua")),
                 fast_write: Script::new(include_str!("lua/fast_write.lua")),
                 issue: Script::new(include_str!("lua/issue.lua")),
                 reconcile: Script::new(include_str!("lua/reconcile.lua")),
@@ -395,6 +407,7 @@ impl FastTier {
             script
                 .key(key)
                 .arg(ttl_ms.max(1))
+                .arg(0)
                 .invoke_async::<i64>(&mut c)
                 .await
                 .map(|_| ())
@@ -412,6 +425,21 @@ impl FastTier {
         provisional_ms: i64,
         journal: &[(&'static str, String)],
     ) -> Result<ScriptOutcome, FastError> {
+        self.consume_versioned(token, mode, attempt, provisional_ms, journal)
+            .await
+            .map(|(outcome, _)| outcome)
+    }
+
+    /// Runs the consume script, and says which generation the key is at
+    /// (the one it decided, after a fast win) and Redis's clock.
+    pub async fn consume_versioned(
+        &self,
+        token: &str,
+        mode: ConsumeMode,
+        attempt: &Attempt<'_>,
+        provisional_ms: i64,
+        journal: &[(&'static str, String)],
+    ) -> Result<(ScriptOutcome, KeyVersion), FastError> {
         let key = self.token_key(token);
         let journal_key = self.journal_key();
         let script = &self.scripts.consume;
@@ -443,7 +471,7 @@ impl FastTier {
                 inv.invoke_async(&mut c).await
             })
             .await?;
-        let outcome = parse_consume_reply(&reply)?;
+        let (outcome, version) = parse_consume_reply(&reply)?;
         let label = match outcome {
             ScriptOutcome::Miss => "miss",
             _ => "hit",
@@ -454,17 +482,18 @@ impl FastTier {
             .inc();
         if append {
             if let ScriptOutcome::Won { .. } = outcome {
-                return Ok(outcome);
+                return Ok((outcome, version));
             }
         } else if let (ScriptOutcome::Won { at_ms }, ConsumeMode::Fast) = (&outcome, mode) {
             // Cluster: the journal stream is in another slot.
             if !journal.is_empty() {
                 let mut entry: Vec<(&'static str, String)> = journal.to_vec();
-                entry.push(("at", at_ms.to_string()));
+                entry.push((crate::journal::AT, at_ms.to_string()));
+                entry.push((crate::journal::GEN, version.gen.to_string()));
                 self.append_or_queue(entry).await;
             }
         }
-        Ok(outcome)
+        Ok((outcome, version))
     }
 
     /// Appends one entry to the journal stream (cluster mode, or repairs).
@@ -503,15 +532,76 @@ impl FastTier {
         .await
     }
 
-    /// Our provisional marker goes back to issued with `remaining_ms` to live.
+    /// Our provisional marker goes back to issued, at its generation, with
+    /// `remaining_ms` to live, if we still own it (see `writeback.lua`).
     pub async fn unclaim(
         &self,
         token: &str,
         owner: &str,
         remaining_ms: i64,
     ) -> Result<(), FastError> {
-        self.settle(token, "unclaim", owner, remaining_ms, None)
+        self.writeback(token, "unclaim", 0, remaining_ms, None, owner)
             .await
+            .map(|_| ())
+    }
+
+    /// Writes Postgres's consumed state at generation `gen` back (see
+    /// `writeback.lua`): only over an older generation, or to add the result
+    /// to the same generation's marker. The marker lives `redis.consumed_ttl`
+    /// from its consume (`marker.at_ms`), never past the retention. `true`
+    /// when written.
+    pub async fn write_consumed(
+        &self,
+        token: &str,
+        gen: i64,
+        marker: &Marker,
+    ) -> Result<bool, FastError> {
+        let life = self.consumed_ttl_ms();
+        self.writeback(token, "consumed", gen, life, Some(marker), "")
+            .await
+    }
+
+    /// Writes Postgres's issued state at generation `gen` back, with
+    /// `remaining_ms` to live (<= 0 deletes the key): only over an older
+    /// generation. `true` when written.
+    pub async fn write_issued(
+        &self,
+        token: &str,
+        gen: i64,
+        remaining_ms: i64,
+    ) -> Result<bool, FastError> {
+        self.writeback(token, "issued", gen, remaining_ms, None, "")
+            .await
+    }
+
+    async fn writeback(
+        &self,
+        token: &str,
+        op: &'static str,
+        gen: i64,
+        ttl_ms: i64,
+        marker: Option<&Marker>,
+        owner: &str,
+    ) -> Result<bool, FastError> {
+        let key = self.token_key(token);
+        let script = &self.scripts.writeback;
+        let m = marker.cloned().unwrap_or_default();
+        self.call("writeback", |mut c| async move {
+            script
+                .key(key)
+                .arg(op)
+                .arg(gen)
+                .arg(ttl_ms)
+                .arg(m.at_ms)
+                .arg(m.request_id.as_deref().unwrap_or(""))
+                .arg(m.fingerprint.as_deref().unwrap_or(""))
+                .arg(m.result.as_deref().unwrap_or(""))
+                .arg(owner)
+                .invoke_async::<i64>(&mut c)
+                .await
+                .map(|n| n == 1)
+        })
+        .await
     }
 
     /// Adds a recorded result to a consumed marker (if Redis has one).
@@ -596,8 +686,9 @@ impl FastTier {
                 inv.invoke_async(&mut c).await
             })
             .await?;
+        let field = |i: usize| reply.get(i).cloned().unwrap_or_default();
         let kind = reply.first().map(String::as_str).unwrap_or("");
-        let detail = reply.get(1).cloned().unwrap_or_default();
+        let detail = field(1);
         let out = match kind {
             "recorded" => FastWrite::Recorded,
             "same" => FastWrite::Same,
@@ -616,7 +707,17 @@ impl FastTier {
             && matches!(out, FastWrite::Recorded | FastWrite::Released)
             && !journal.is_empty()
         {
-            self.append_or_queue(journal.to_vec()).await;
+            // Cluster: what the script would have added to the entry.
+            use crate::journal::{AT, CONSUMED_AT, FINGERPRINT, GEN, REQUEST_ID};
+            let mut entry = journal.to_vec();
+            entry.push((GEN, field(2)));
+            entry.push((AT, field(3)));
+            if out == FastWrite::Recorded {
+                entry.push((CONSUMED_AT, field(4)));
+                entry.push((REQUEST_ID, field(5)));
+                entry.push((FINGERPRINT, field(6)));
+            }
+            self.append_or_queue(entry).await;
         }
         Ok(out)
     }
@@ -726,8 +827,52 @@ pub enum KeyState {
     Unknown,
 }
 
-/// The `s` and `d` fields of one token's hash.
-type StateFields = (Option<String>, Option<String>);
+/// What reconciliation reads of one token's key: its state and its `g`
+/// field as stored (`None` for a key without one, or a missing key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyRead {
+    pub state: KeyState,
+    pub stored_gen: Option<i64>,
+}
+
+impl KeyRead {
+    /// The key's generation: its `g` field, or for a key written before
+    /// generations what its state stands for (consumed 1, otherwise 0); -1
+    /// for a missing key (older than any).
+    pub fn gen(&self) -> i64 {
+        match (self.stored_gen, self.state) {
+            (Some(g), _) => g,
+            (None, KeyState::Missing) => -1,
+            (None, KeyState::Consumed) => 1,
+            (None, _) => 0,
+        }
+    }
+}
+
+/// The arguments of one reconcile repair (see `reconcile.lua`).
+#[derive(Debug, Clone, Copy)]
+struct Repair<'a> {
+    remaining_ms: i64,
+    consumed: Option<&'a Marker>,
+    /// The generation Postgres holds the token at.
+    pg_gen: i64,
+    /// The key's `g` field as reconcile read it (give_way only).
+    seen_gen: Option<i64>,
+}
+
+impl Repair<'_> {
+    fn at(pg_gen: i64) -> Repair<'static> {
+        Repair {
+            remaining_ms: 0,
+            consumed: None,
+            pg_gen,
+            seen_gen: None,
+        }
+    }
+}
+
+/// The `s`, `d` and `g` fields of one token's hash.
+type StateFields = (Option<String>, Option<String>, Option<String>);
 
 /// One node a key scan walks: the standalone server, or one cluster primary.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -832,11 +977,12 @@ impl FastTier {
         Ok((next, tokens))
     }
 
-    /// Reads the state of many tokens' keys in one pipeline (one `HMGET` per
-    /// key), with Redis's clock in ms for judging provisional deadlines. On a
-    /// cluster, where a pipeline may not cross slots, the `HMGET`s go out
-    /// concurrently on the cluster connection, each to its key's node.
-    pub async fn key_states(&self, tokens: &[String]) -> Result<(i64, Vec<KeyState>), FastError> {
+    /// Reads the state and generation of many tokens' keys in one pipeline
+    /// (one `HMGET` per key), with Redis's clock in ms for judging
+    /// provisional deadlines. On a cluster, where a pipeline may not cross
+    /// slots, the `HMGET`s go out concurrently on the cluster connection,
+    /// each to its key's node.
+    pub async fn key_states(&self, tokens: &[String]) -> Result<(i64, Vec<KeyRead>), FastError> {
         let keys: Vec<String> = tokens.iter().map(|t| self.token_key(t)).collect();
         let cluster = self.cluster;
         let (time, rows): ((i64, i64), Vec<StateFields>) = self
@@ -850,6 +996,7 @@ impl FastTier {
                                 .arg(k)
                                 .arg("s")
                                 .arg("d")
+                                .arg("g")
                                 .query_async::<StateFields>(&mut c)
                                 .await
                         }
@@ -863,7 +1010,7 @@ impl FastTier {
                 let mut p = redis::pipe();
                 p.cmd("TIME");
                 for k in &keys {
-                    p.cmd("HMGET").arg(k).arg("s").arg("d");
+                    p.cmd("HMGET").arg(k).arg("s").arg("d").arg("g");
                 }
                 let mut values: Vec<Value> = p.query_async(&mut c).await?;
                 let time_value = if values.is_empty() {
@@ -882,28 +1029,33 @@ impl FastTier {
         let now_ms = time.0 * 1000 + time.1 / 1000;
         let states = rows
             .into_iter()
-            .map(|(s, d)| match s.as_deref() {
-                None => KeyState::Missing,
-                Some("i") => KeyState::Issued,
-                Some("c") => KeyState::Consumed,
-                Some("p") => KeyState::Provisional {
-                    deadline_ms: d.and_then(|d| d.parse().ok()).unwrap_or(0),
+            .map(|(s, d, g)| KeyRead {
+                state: match s.as_deref() {
+                    None => KeyState::Missing,
+                    Some("i") => KeyState::Issued,
+                    Some("c") => KeyState::Consumed,
+                    Some("p") => KeyState::Provisional {
+                        deadline_ms: d.and_then(|d| d.parse().ok()).unwrap_or(0),
+                    },
+                    Some(_) => KeyState::Unknown,
                 },
-                Some(_) => KeyState::Unknown,
+                stored_gen: g.and_then(|g| g.parse().ok()),
             })
             .collect();
         Ok((now_ms, states))
     }
 
-    /// Seeds a live token whose key is missing; `false` when a key exists
-    /// (never overwrites: a consume may have claimed it meanwhile).
-    pub async fn reseed(&self, token: &str, ttl_ms: i64) -> Result<bool, FastError> {
+    /// Seeds a live token whose key is missing, at Postgres's generation;
+    /// `false` when a key exists (never overwrites: a consume may have claimed
+    /// it meanwhile).
+    pub async fn reseed(&self, token: &str, ttl_ms: i64, gen: i64) -> Result<bool, FastError> {
         let key = self.token_key(token);
         let script = &self.scripts.issue;
         self.call("reseed", |mut c| async move {
             script
                 .key(key)
                 .arg(ttl_ms.max(1))
+                .arg(gen)
                 .invoke_async::<i64>(&mut c)
                 .await
                 .map(|n| n == 1)
@@ -911,49 +1063,134 @@ impl FastTier {
         .await
     }
 
-    /// Deletes a token's key if it still says issued (Postgres consumed it).
-    pub async fn drop_if_issued(&self, token: &str) -> Result<bool, FastError> {
-        self.repair(token, "drop_live", 0, None).await
+    /// Deletes a token's key if it still says issued at a generation older
+    /// than `consumed_gen`, the one Postgres consumed it at.
+    pub async fn drop_if_issued(&self, token: &str, consumed_gen: i64) -> Result<bool, FastError> {
+        self.repair(token, "drop_live", Repair::at(consumed_gen))
+            .await
     }
 
-    /// Clears a provisional marker past its deadline: back to issued with
-    /// `remaining_ms` to live, or to `consumed` when Postgres consumed it.
+    /// Clears a provisional marker past its deadline: to `consumed` when
+    /// Postgres consumed the token (the marker and its generation), else
+    /// back to issued with `remaining_ms` to live, at `issued_gen` if that
+    /// is newer than the key's.
     pub async fn clear_stale(
         &self,
         token: &str,
         remaining_ms: i64,
-        consumed: Option<&Marker>,
+        consumed: Option<(&Marker, i64)>,
+        issued_gen: i64,
     ) -> Result<bool, FastError> {
-        self.repair(token, "clear_stale", remaining_ms, consumed)
-            .await
+        let r = match consumed {
+            Some((m, gen)) => Repair {
+                remaining_ms,
+                consumed: Some(m),
+                pg_gen: gen,
+                seen_gen: None,
+            },
+            None => Repair {
+                remaining_ms,
+                ..Repair::at(issued_gen)
+            },
+        };
+        self.repair(token, "clear_stale", r).await
+    }
+
+    /// A durable token's consumed marker gives way to the issued state
+    /// Postgres holds (at `issued_gen`, with `remaining_ms` to live; <= 0
+    /// deletes it), if its `g` field still reads `seen_gen`, as reconcile
+    /// saw it.
+    pub async fn give_way(
+        &self,
+        token: &str,
+        seen_gen: Option<i64>,
+        issued_gen: i64,
+        remaining_ms: i64,
+    ) -> Result<bool, FastError> {
+        let r = Repair {
+            remaining_ms,
+            seen_gen,
+            ..Repair::at(issued_gen)
+        };
+        self.repair(token, "give_way", r).await
     }
 
     async fn repair(
         &self,
         token: &str,
         op: &'static str,
-        remaining_ms: i64,
-        consumed: Option<&Marker>,
+        r: Repair<'_>,
     ) -> Result<bool, FastError> {
         let key = self.token_key(token);
         let script = &self.scripts.reconcile;
-        let m = consumed.cloned().unwrap_or_default();
-        let is_consumed = consumed.is_some();
+        let m = r.consumed.cloned().unwrap_or_default();
+        let is_consumed = r.consumed.is_some();
         let consumed_ttl = self.consumed_ttl_ms();
+        let seen = r.seen_gen.map(|g| g.to_string()).unwrap_or_default();
         self.call("reconcile", |mut c| async move {
             script
                 .key(key)
                 .arg(op)
-                .arg(remaining_ms)
+                .arg(r.remaining_ms)
                 .arg(if is_consumed { "1" } else { "0" })
                 .arg(m.at_ms)
                 .arg(m.request_id.as_deref().unwrap_or(""))
                 .arg(m.fingerprint.as_deref().unwrap_or(""))
                 .arg(m.result.as_deref().unwrap_or(""))
                 .arg(consumed_ttl)
+                .arg(r.pg_gen)
+                .arg(seen)
                 .invoke_async::<i64>(&mut c)
                 .await
                 .map(|n| n == 1)
+        })
+        .await
+    }
+
+    /// The dead-letter stream: journal entries that can never apply.
+    pub fn journal_dead_key(&self) -> String {
+        format!("{}journal:dead", self.settings.key_prefix)
+    }
+
+    /// Sets a journal entry that can never apply aside in the dead-letter
+    /// stream, with its stream id (`src`) and why (`reason`), and counts it.
+    /// The stream keeps the newest 100,000 (approximately).
+    pub async fn dead_letter(
+        &self,
+        entry: &redis::streams::StreamId,
+        reason: &str,
+    ) -> Result<(), FastError> {
+        let key = self.journal_dead_key();
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(key)
+            .arg("MAXLEN")
+            .arg("~")
+            .arg(100_000)
+            .arg("*")
+            .arg("src")
+            .arg(&entry.id)
+            .arg("reason")
+            .arg(reason);
+        let mut fields: Vec<(&String, &Value)> = entry.map.iter().collect();
+        fields.sort_by(|a, b| a.0.cmp(b.0));
+        for (k, v) in fields {
+            if let Value::BulkString(bytes) = v {
+                cmd.arg(k).arg(bytes.as_slice());
+            }
+        }
+        self.call("dead_letter", |mut c| async move {
+            cmd.query_async::<Value>(&mut c).await.map(|_| ())
+        })
+        .await?;
+        self.metrics.journal_dead_letters.inc();
+        Ok(())
+    }
+
+    /// Entries in the dead-letter stream.
+    pub async fn dead_letters(&self) -> Result<u64, FastError> {
+        let key = self.journal_dead_key();
+        self.call("xlen", |mut c| async move {
+            redis::cmd("XLEN").arg(key).query_async::<u64>(&mut c).await
         })
         .await
     }
@@ -990,15 +1227,19 @@ impl ConnectionLike for RawConn {
     }
 }
 
-fn parse_consume_reply(reply: &[String]) -> Result<ScriptOutcome, FastError> {
+fn parse_consume_reply(reply: &[String]) -> Result<(ScriptOutcome, KeyVersion), FastError> {
     let field = |i: usize| reply.get(i).map(String::as_str).unwrap_or("");
+    let version = KeyVersion {
+        gen: field(5).parse().unwrap_or(-1),
+        now_ms: field(6).parse().unwrap_or_else(|_| now_ms()),
+    };
     let marker = || Marker {
         at_ms: field(1).parse().unwrap_or(0),
         request_id: opt(field(2)),
         fingerprint: opt(field(3)),
         result: opt(field(4)),
     };
-    Ok(match field(0) {
+    let outcome = match field(0) {
         "won" => ScriptOutcome::Won {
             at_ms: field(1).parse().unwrap_or_else(|_| now_ms()),
         },
@@ -1008,5 +1249,6 @@ fn parse_consume_reply(reply: &[String]) -> Result<ScriptOutcome, FastError> {
         "miss" => ScriptOutcome::Miss,
         "issued" => ScriptOutcome::Issued,
         other => return Err(FastError::Protocol(format!("consume answered {other:?}"))),
-    })
+    };
+    Ok((outcome, version))
 }

@@ -2,8 +2,17 @@
 //! result, release) reaches Postgres through a Redis stream read by a consumer
 //! group. An entry is acknowledged only after Postgres has it: after a failed
 //! round (Postgres down) this consumer re-reads its own pending entries first;
-//! entries left pending by a dead instance are claimed after 30 s. Applying an
-//! entry twice changes nothing.
+//! entries left pending by a dead instance are claimed after 30 s.
+//!
+//! An entry carries the state and generation its script decided (see
+//! [`crate::durable::journal`]): applying it only moves a token forward, so
+//! entries of one token may be applied in any order, by any consumer, and
+//! more than once. Entries written before generations (no `g` field, or no
+//! token record) keep their old meaning, applied in stream order.
+//! An entry that can never apply (unreadable, or a value Postgres refuses) is
+//! set aside in the dead-letter stream `<prefix>journal:dead` with its reason,
+//! counted in `ledger_journal_dead_letters_total` and acknowledged: it never
+//! stops the entries behind it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,22 +24,37 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Durability;
+use crate::durable::journal::{self as versioned, Decided, EntryKind, Versioned};
 use crate::durable::tokens::{self, JournalConsume, TokenRecord};
+use crate::durable::DurableError;
 use crate::fast::FastTier;
 
 pub const GROUP: &str = "ledger";
 const BATCH: usize = 500;
 const CLAIM_IDLE_MS: u64 = 30_000;
 
-/// One journal entry's fields, as the ledger writes them.
-/// The field that holds an entry: one JSON array (`["consume", id, token,
-/// biz, subject, client, issued_at_ms, expires_at_ms, request_id,
-/// fingerprint]`, `["result", id, result_json_text]`, `["release", id]`), beside the
-/// `at` field the script adds. One field instead of ten keeps both the
+/// The field that holds what the ledger knows of an entry: one JSON array
+/// (`["consume", id, token, biz, subject, client, issued_at_ms,
+/// expires_at_ms, request_id, fingerprint]`, `["result", id,
+/// result_json_text, token, biz, subject, client, issued_at_ms,
+/// expires_at_ms]`, `["release", id, token, biz, subject, client,
+/// issued_at_ms, expires_at_ms]`). The script that decided adds what only it
+/// knows as fields of their own: `at` (when, ms), `g` (the generation it
+/// decided), and for a result the consumed state it belongs to (`cat`
+/// consumed at, `rid`, `fp`). One field for the ledger's part keeps both the
 /// script's `XADD` and the drainer's parsing of the stream reply cheap.
-/// Entries with one field per value (`op`, `id`, ...; written before 0.1)
-/// are still read.
+///
+/// Older layouts are still read: `["result", id, result_json_text]` and
+/// `["release", id]` (no token record), entries without `g`, and one stream
+/// field per value (`op`, `id`, ...; written before 0.1).
 pub const ENTRY: &str = "e";
+
+/// The fields a script adds to an entry.
+pub const AT: &str = "at";
+pub const GEN: &str = "g";
+pub const CONSUMED_AT: &str = "cat";
+pub const REQUEST_ID: &str = "rid";
+pub const FINGERPRINT: &str = "fp";
 
 /// The journal fields of a fast-type consume.
 pub fn consume_fields(
@@ -53,13 +77,49 @@ pub fn consume_fields(
     vec![(ENTRY, pack(&entry))]
 }
 
+/// The journal fields of a fast-type result, in the layout without a token
+/// record (see [`result_fields_for`]).
 pub fn result_fields(id: i64, result: &str) -> Vec<(&'static str, String)> {
     // `result` is the JSON text as stored, carried as a string.
     vec![(ENTRY, pack(&("result", id, result)))]
 }
 
+/// The journal fields of a fast-type release, in the layout without a token
+/// record (see [`release_fields_for`]).
 pub fn release_fields(id: i64) -> Vec<(&'static str, String)> {
     vec![(ENTRY, pack(&("release", id)))]
+}
+
+/// The journal fields of a fast-type result, with the token record (so that
+/// it applies even before its consume entry has).
+pub fn result_fields_for(rec: &TokenRecord, result: &str) -> Vec<(&'static str, String)> {
+    let entry = (
+        "result",
+        rec.id,
+        result,
+        &rec.token,
+        &rec.biz_type,
+        &rec.subject,
+        &rec.client,
+        rec.issued_at.timestamp_millis(),
+        rec.expires_at.timestamp_millis(),
+    );
+    vec![(ENTRY, pack(&entry))]
+}
+
+/// The journal fields of a fast-type release, with the token record.
+pub fn release_fields_for(rec: &TokenRecord) -> Vec<(&'static str, String)> {
+    let entry = (
+        "release",
+        rec.id,
+        &rec.token,
+        &rec.biz_type,
+        &rec.subject,
+        &rec.client,
+        rec.issued_at.timestamp_millis(),
+        rec.expires_at.timestamp_millis(),
+    );
+    vec![(ENTRY, pack(&entry))]
 }
 
 fn pack(entry: &impl serde::Serialize) -> String {
@@ -85,22 +145,36 @@ enum Packed {
             String,
         ),
     ),
+    ResultFor(
+        (
+            String,
+            i64,
+            String,
+            String,
+            String,
+            String,
+            String,
+            i64,
+            i64,
+        ),
+    ),
+    ReleaseFor((String, i64, String, String, String, String, i64, i64)),
     Result((String, i64, String)),
     Release((String, i64)),
 }
 
 #[derive(Debug)]
 enum Entry {
+    /// A state and generation: applied by [`versioned::apply`].
+    Versioned(versioned::Entry),
+    /// Written without a generation: consume over issued.
     Consume(JournalConsume),
-    Result {
-        id: i64,
-        result: Json,
-    },
-    Release {
-        id: i64,
-    },
-    /// Unreadable: acknowledged and logged, never retried forever.
-    Bad,
+    /// Written without a token record: a result over consumed-without-result.
+    Result { id: i64, result: Json },
+    /// Written without a token record: consumed-without-result to issued.
+    Release { id: i64 },
+    /// Can never apply: set aside with this reason.
+    Bad(&'static str),
 }
 
 fn field(e: &StreamId, k: &str) -> String {
@@ -113,62 +187,164 @@ fn ms_to_time(ms: &str) -> Option<chrono::DateTime<Utc>> {
         .and_then(|m| Utc.timestamp_millis_opt(m).single())
 }
 
+fn opt(s: String) -> Option<String> {
+    (!s.is_empty()).then_some(s)
+}
+
 fn parse(e: &StreamId) -> Entry {
     match e.get::<String>(ENTRY) {
-        Some(packed) => parse_packed(&packed, &field(e, "at")),
+        Some(packed) => parse_packed(e, &packed),
         None => parse_fields(e),
     }
 }
 
-fn parse_packed(packed: &str, at: &str) -> Entry {
-    let opt = |s: String| (!s.is_empty()).then_some(s);
+/// The generation a script added, checked against what the entry says:
+/// odd for a consumed state, even (and past the issued one) for a release.
+fn gen_of(e: &StreamId, consumed: bool) -> Result<Option<i64>, &'static str> {
+    let Some(text) = e.get::<String>(GEN) else {
+        return Ok(None);
+    };
+    let gen: i64 = text.parse().map_err(|_| "generation is not a number")?;
+    match (consumed, gen % 2 == 1) {
+        (true, true) if gen >= 1 => Ok(Some(gen)),
+        (false, false) if gen >= 2 => Ok(Some(gen)),
+        _ => Err("generation does not match the state"),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn record(
+    id: i64,
+    token: String,
+    biz_type: String,
+    subject: String,
+    client: String,
+    iat: i64,
+    exp: i64,
+) -> Option<TokenRecord> {
     let time = |ms: i64| Utc.timestamp_millis_opt(ms).single();
+    Some(TokenRecord {
+        id,
+        token,
+        biz_type,
+        durability: Durability::Fast,
+        subject,
+        client,
+        issued_at: time(iat)?,
+        expires_at: time(exp)?,
+    })
+}
+
+fn parse_packed(e: &StreamId, packed: &str) -> Entry {
+    let at = ms_to_time(&field(e, AT));
     match serde_json::from_str::<Packed>(packed) {
-        Ok(Packed::Consume((op, id, token, biz_type, subject, client, iat, exp, rid, fp)))
+        Ok(Packed::Consume((op, id, token, biz, subject, client, iat, exp, rid, fp)))
             if op == "consume" =>
         {
-            let (Some(issued_at), Some(expires_at), Some(at)) =
-                (time(iat), time(exp), ms_to_time(at))
+            let (Some(record), Some(at)) = (record(id, token, biz, subject, client, iat, exp), at)
             else {
-                return Entry::Bad;
+                return Entry::Bad("unreadable time");
             };
-            Entry::Consume(JournalConsume {
-                record: TokenRecord {
-                    id,
-                    token,
-                    biz_type,
-                    durability: Durability::Fast,
-                    subject,
-                    client,
-                    issued_at,
-                    expires_at,
-                },
-                consumed_at: at,
-                fingerprint: opt(fp),
-                request_id: opt(rid),
-            })
+            let (fingerprint, request_id) = (opt(fp), opt(rid));
+            match gen_of(e, true) {
+                Ok(Some(gen)) => Entry::Versioned(versioned::Entry {
+                    record,
+                    kind: EntryKind::Consume,
+                    at,
+                    version: Versioned {
+                        gen,
+                        state: Decided::Consumed {
+                            consumed_at: at,
+                            fingerprint,
+                            request_id,
+                            result: None,
+                        },
+                    },
+                }),
+                Ok(None) => Entry::Consume(JournalConsume {
+                    record,
+                    consumed_at: at,
+                    fingerprint,
+                    request_id,
+                }),
+                Err(why) => Entry::Bad(why),
+            }
+        }
+        Ok(Packed::ResultFor((op, id, text, token, biz, subject, client, iat, exp)))
+            if op == "result" =>
+        {
+            let Ok(result) = serde_json::from_str::<Json>(&text) else {
+                return Entry::Bad("result is not JSON");
+            };
+            let (Some(record), Some(at)) = (record(id, token, biz, subject, client, iat, exp), at)
+            else {
+                return Entry::Bad("unreadable time");
+            };
+            match gen_of(e, true) {
+                Ok(Some(gen)) => {
+                    let Some(consumed_at) = ms_to_time(&field(e, CONSUMED_AT)) else {
+                        return Entry::Bad("result without its consume time");
+                    };
+                    Entry::Versioned(versioned::Entry {
+                        record,
+                        kind: EntryKind::Result,
+                        at,
+                        version: Versioned {
+                            gen,
+                            state: Decided::Consumed {
+                                consumed_at,
+                                fingerprint: opt(field(e, FINGERPRINT)),
+                                request_id: opt(field(e, REQUEST_ID)),
+                                result: Some((result, at)),
+                            },
+                        },
+                    })
+                }
+                Ok(None) => Entry::Result { id, result },
+                Err(why) => Entry::Bad(why),
+            }
+        }
+        Ok(Packed::ReleaseFor((op, id, token, biz, subject, client, iat, exp)))
+            if op == "release" =>
+        {
+            let (Some(record), Some(at)) = (record(id, token, biz, subject, client, iat, exp), at)
+            else {
+                return Entry::Bad("unreadable time");
+            };
+            match gen_of(e, false) {
+                Ok(Some(gen)) => Entry::Versioned(versioned::Entry {
+                    record,
+                    kind: EntryKind::Release,
+                    at,
+                    version: Versioned {
+                        gen,
+                        state: Decided::Issued,
+                    },
+                }),
+                Ok(None) => Entry::Release { id },
+                Err(why) => Entry::Bad(why),
+            }
         }
         Ok(Packed::Result((op, id, text))) if op == "result" => match serde_json::from_str(&text) {
             Ok(result) => Entry::Result { id, result },
-            Err(_) => Entry::Bad,
+            Err(_) => Entry::Bad("result is not JSON"),
         },
         Ok(Packed::Release((op, id))) if op == "release" => Entry::Release { id },
-        _ => Entry::Bad,
+        _ => Entry::Bad("unreadable entry"),
     }
 }
 
 /// The older layout: one stream field per value.
 fn parse_fields(e: &StreamId) -> Entry {
     let id: Option<i64> = field(e, "id").parse().ok();
-    let opt = |s: String| (!s.is_empty()).then_some(s);
     match (field(e, "op").as_str(), id) {
         ("consume", Some(id)) => {
             let (Some(iat), Some(exp), Some(at)) = (
                 ms_to_time(&field(e, "iat")),
                 ms_to_time(&field(e, "exp")),
-                ms_to_time(&field(e, "at")),
+                ms_to_time(&field(e, AT)),
             ) else {
-                return Entry::Bad;
+                return Entry::Bad("unreadable time");
             };
             Entry::Consume(JournalConsume {
                 record: TokenRecord {
@@ -188,39 +364,115 @@ fn parse_fields(e: &StreamId) -> Entry {
         }
         ("result", Some(id)) => match serde_json::from_str(&field(e, "res")) {
             Ok(result) => Entry::Result { id, result },
-            Err(_) => Entry::Bad,
+            Err(_) => Entry::Bad("result is not JSON"),
         },
         ("release", Some(id)) => Entry::Release { id },
-        _ => Entry::Bad,
+        _ => Entry::Bad("unreadable entry"),
     }
 }
 
-/// Applies entries in order: runs of consumes in one statement each.
-async fn apply(pool: &PgPool, entries: &[StreamId]) -> Result<(), crate::durable::DurableError> {
-    let mut run: Vec<JournalConsume> = Vec::new();
-    for e in entries {
-        match parse(e) {
-            Entry::Consume(c) => run.push(c),
-            other => {
-                tokens::apply_journal_consumes(pool, &run).await?;
-                run.clear();
-                match other {
-                    Entry::Result { id, result } => {
-                        tokens::set_result(pool, id, &result).await?;
-                    }
-                    Entry::Release { id } => {
-                        tokens::release(pool, id).await?;
-                    }
-                    Entry::Bad => {
-                        tracing::error!(entry = %e.id, "unreadable journal entry skipped")
-                    }
-                    Entry::Consume(_) => {}
-                }
+/// Whether a statement failed because of what the entries hold (SQLSTATE
+/// class 22, data exception: a string Postgres cannot store; class 23, a
+/// constraint the row would break): retrying cannot help. Anything else
+/// (Postgres down, a timeout) is retried in a later round.
+fn refused_for_its_data(e: &DurableError) -> bool {
+    match e {
+        DurableError::Other(sqlx::Error::Database(db)) => {
+            let code = db.code().unwrap_or_default();
+            code.starts_with("22") || code.starts_with("23")
+        }
+        _ => false,
+    }
+}
+
+/// Entries of one round that can never apply: their index and why.
+type DeadLetters = Vec<(usize, String)>;
+
+/// Applies a batch through `apply_all`; when Postgres refuses the batch for
+/// what it holds, applies its entries one at a time, and the ones refused
+/// alone become dead letters.
+async fn apply_or_isolate<T, F, Fut>(
+    items: &[(usize, T)],
+    dead: &mut DeadLetters,
+    apply_all: F,
+) -> Result<(), DurableError>
+where
+    T: Clone,
+    F: Fn(Vec<T>) -> Fut,
+    Fut: std::future::Future<Output = Result<(), DurableError>>,
+{
+    if items.is_empty() {
+        return Ok(());
+    }
+    let all: Vec<T> = items.iter().map(|(_, t)| t.clone()).collect();
+    match apply_all(all).await {
+        Ok(()) => return Ok(()),
+        Err(e) if refused_for_its_data(&e) => {}
+        Err(e) => return Err(e),
+    }
+    for (i, item) in items {
+        match apply_all(vec![item.clone()]).await {
+            Ok(()) => {}
+            Err(e) if refused_for_its_data(&e) => {
+                dead.push((*i, crate::reconcile::error_chain(&e)));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Applies one round's entries; returns the ones set aside. In stream
+/// order, in runs: consecutive versioned entries in one statement,
+/// consecutive consumes written without a generation in another, and each
+/// other entry written without a generation alone (those keep their old
+/// meaning, which depends on the order).
+async fn apply(pool: &PgPool, entries: &[StreamId]) -> Result<DeadLetters, DurableError> {
+    let mut dead = DeadLetters::new();
+    let mut current: Vec<(usize, versioned::Entry)> = Vec::new();
+    let mut run: Vec<(usize, JournalConsume)> = Vec::new();
+    let consumes = |batch: Vec<JournalConsume>| async move {
+        tokens::apply_journal_consumes(pool, &batch)
+            .await
+            .map(|_| ())
+    };
+    let versioned = |batch: Vec<versioned::Entry>| async move {
+        versioned::apply(pool, &batch).await.map(|_| ())
+    };
+    for (i, e) in entries.iter().enumerate() {
+        let entry = parse(e);
+        if !matches!(entry, Entry::Versioned(_) | Entry::Bad(_)) {
+            apply_or_isolate(&current, &mut dead, versioned).await?;
+            current.clear();
+        }
+        if !matches!(entry, Entry::Consume(_) | Entry::Bad(_)) {
+            apply_or_isolate(&run, &mut dead, consumes).await?;
+            run.clear();
+        }
+        match entry {
+            Entry::Versioned(v) => current.push((i, v)),
+            Entry::Consume(c) => run.push((i, c)),
+            Entry::Bad(why) => {
+                tracing::error!(entry = %e.id, reason = why, "unreadable journal entry set aside");
+                dead.push((i, why.to_owned()));
+            }
+            Entry::Result { id, result } => {
+                apply_or_isolate(&[(i, ())], &mut dead, |_| async {
+                    tokens::set_result(pool, id, &result).await.map(|_| ())
+                })
+                .await?;
+            }
+            Entry::Release { id } => {
+                apply_or_isolate(&[(i, ())], &mut dead, |_| async move {
+                    tokens::release(pool, id).await.map(|_| ())
+                })
+                .await?;
             }
         }
     }
-    tokens::apply_journal_consumes(pool, &run).await?;
-    Ok(())
+    apply_or_isolate(&run, &mut dead, consumes).await?;
+    apply_or_isolate(&current, &mut dead, versioned).await?;
+    Ok(dead)
 }
 
 /// Drains the journal until `shutdown`. Never blocks a shared connection
@@ -374,7 +626,13 @@ async fn drain_round(
     if entries.is_empty() {
         return Ok(0);
     }
-    apply(pool, &entries).await?;
+    let dead = apply(pool, &entries).await?;
+    for (i, reason) in &dead {
+        if let Some(e) = entries.get(*i) {
+            tracing::error!(entry = %e.id, reason = %reason, "journal entry can never apply: set aside");
+            fast.dead_letter(e, reason).await?;
+        }
+    }
     let ids: Vec<String> = entries.iter().map(|e| e.id.clone()).collect();
     let n = ids.len();
     fast.raw("xack", |mut c| async move {
@@ -392,26 +650,24 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// A stream entry as XREADGROUP returns it, with the `at` the script adds.
-    fn entry(fields: &[(&'static str, String)], at: i64) -> StreamId {
-        let mut map: std::collections::HashMap<String, redis::Value> = fields
+    /// A stream entry as XREADGROUP returns it, with the fields a script adds.
+    fn entry_with(fields: &[(&'static str, String)], added: &[(&str, String)]) -> StreamId {
+        let map: std::collections::HashMap<String, redis::Value> = fields
             .iter()
-            .map(|(k, v)| {
-                (
-                    k.to_string(),
-                    redis::Value::BulkString(v.clone().into_bytes()),
-                )
-            })
+            .map(|(k, v)| (k.to_string(), v.as_str()))
+            .chain(added.iter().map(|(k, v)| (k.to_string(), v.as_str())))
+            .map(|(k, v)| (k, redis::Value::BulkString(v.as_bytes().to_vec())))
             .collect();
-        map.insert(
-            "at".into(),
-            redis::Value::BulkString(at.to_string().into_bytes()),
-        );
         StreamId {
             id: "1-0".into(),
             map,
             ..StreamId::default()
         }
+    }
+
+    /// With only the `at` a script adds (the layout without generations).
+    fn entry(fields: &[(&'static str, String)], at: i64) -> StreamId {
+        entry_with(fields, &[(AT, at.to_string())])
     }
 
     fn record(subject: String, client: String) -> TokenRecord {
@@ -429,31 +685,57 @@ mod tests {
 
     proptest! {
         /// Any subject, client, request id and fingerprint (quotes, control
-        /// characters, unicode, the old separator) comes back unchanged.
+        /// characters, unicode, the old separator) comes back unchanged, with
+        /// the generation the script added.
         #[test]
         fn consume_entries_round_trip(
             subject in "\\PC{1,40}|.{1,40}",
             client in ".{1,20}",
             rid in proptest::option::of(".{0,30}"),
             fp in proptest::option::of("[ -~]{0,30}"),
+            half_gen in 0i64..1_000_000,
         ) {
             let rid = rid.filter(|s| !s.is_empty());
             let fp = fp.filter(|s| !s.is_empty());
             let rec = record(subject, client);
+            let gen = 2 * half_gen + 1;
             let fields = consume_fields(&rec, rid.as_deref(), fp.as_deref());
             prop_assert_eq!(fields.len(), 1);
+            let e = entry_with(&fields, &[(AT, "1790000001000".into()), (GEN, gen.to_string())]);
+            match parse(&e) {
+                Entry::Versioned(v) => {
+                    prop_assert_eq!(&v.record, &rec);
+                    prop_assert_eq!(v.kind, EntryKind::Consume);
+                    prop_assert_eq!(v.at.timestamp_millis(), 1_790_000_001_000);
+                    prop_assert_eq!(v.version, Versioned {
+                        gen,
+                        state: Decided::Consumed {
+                            consumed_at: v.at,
+                            fingerprint: fp,
+                            request_id: rid,
+                            result: None,
+                        },
+                    });
+                }
+                other => prop_assert!(false, "{other:?}"),
+            }
+        }
+
+        /// Without `g` (written by an instance older than generations) a
+        /// consume keeps its old meaning.
+        #[test]
+        fn consume_entries_without_a_generation_round_trip(
+            subject in "\\PC{1,40}",
+            rid in proptest::option::of("[ -~]{1,30}"),
+        ) {
+            let rec = record(subject, "payments".into());
+            let fields = consume_fields(&rec, rid.as_deref(), None);
             match parse(&entry(&fields, 1_790_000_001_000)) {
                 Entry::Consume(c) => {
-                    prop_assert_eq!(c.record.id, rec.id);
-                    prop_assert_eq!(&c.record.token, &rec.token);
-                    prop_assert_eq!(&c.record.biz_type, &rec.biz_type);
-                    prop_assert_eq!(&c.record.subject, &rec.subject);
-                    prop_assert_eq!(&c.record.client, &rec.client);
-                    prop_assert_eq!(c.record.issued_at, rec.issued_at);
-                    prop_assert_eq!(c.record.expires_at, rec.expires_at);
+                    prop_assert_eq!(&c.record, &rec);
                     prop_assert_eq!(c.consumed_at.timestamp_millis(), 1_790_000_001_000);
                     prop_assert_eq!(c.request_id, rid);
-                    prop_assert_eq!(c.fingerprint, fp);
+                    prop_assert_eq!(c.fingerprint, None);
                 }
                 other => prop_assert!(false, "{other:?}"),
             }
@@ -462,7 +744,62 @@ mod tests {
 
     #[test]
     fn result_and_release_round_trip() {
+        let rec = record("u-1".into(), "payments".into());
         let text = r#"{"order":"o-1","note":"a \"quoted\" \u001f value"}"#;
+        let added = [
+            (AT, "1790000002000".to_owned()),
+            (GEN, "3".to_owned()),
+            (CONSUMED_AT, "1790000001000".to_owned()),
+            (REQUEST_ID, "r-1".to_owned()),
+            (FINGERPRINT, "".to_owned()),
+        ];
+        match parse(&entry_with(&result_fields_for(&rec, text), &added)) {
+            Entry::Versioned(v) => {
+                assert_eq!(
+                    (v.kind, v.version.gen, &v.record),
+                    (EntryKind::Result, 3, &rec)
+                );
+                let Decided::Consumed {
+                    consumed_at,
+                    fingerprint,
+                    request_id,
+                    result: Some((result, at)),
+                } = v.version.state
+                else {
+                    panic!("{:?}", v.version);
+                };
+                assert_eq!(consumed_at.timestamp_millis(), 1_790_000_001_000);
+                assert_eq!(at.timestamp_millis(), 1_790_000_002_000);
+                assert_eq!((fingerprint, request_id.as_deref()), (None, Some("r-1")));
+                assert_eq!(result, serde_json::from_str::<Json>(text).unwrap());
+            }
+            other => panic!("{other:?}"),
+        }
+        let added = [(AT, "1790000003000".to_owned()), (GEN, "4".to_owned())];
+        match parse(&entry_with(&release_fields_for(&rec), &added)) {
+            Entry::Versioned(v) => {
+                assert_eq!(v.kind, EntryKind::Release);
+                assert_eq!(
+                    v.version,
+                    Versioned {
+                        gen: 4,
+                        state: Decided::Issued
+                    }
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        // A generation that contradicts the state can never apply.
+        let odd = [(AT, "1790000003000".to_owned()), (GEN, "5".to_owned())];
+        assert!(matches!(
+            parse(&entry_with(&release_fields_for(&rec), &odd)),
+            Entry::Bad(_)
+        ));
+    }
+
+    #[test]
+    fn the_layouts_without_generations_are_still_read() {
+        let text = r#"{"order":"o-1"}"#;
         match parse(&entry(&result_fields(42, text), 5)) {
             Entry::Result { id, result } => {
                 assert_eq!(id, 42);
@@ -474,10 +811,6 @@ mod tests {
             parse(&entry(&release_fields(43), 5)),
             Entry::Release { id: 43 }
         ));
-    }
-
-    #[test]
-    fn the_older_layout_is_still_read() {
         let fields: Vec<(&'static str, String)> = vec![
             ("op", "consume".into()),
             ("id", "9".into()),
@@ -518,7 +851,15 @@ mod tests {
             "\u{0}",
         ] {
             let fields = vec![(ENTRY, junk.to_owned())];
-            assert!(matches!(parse(&entry(&fields, 1)), Entry::Bad), "{junk}");
+            assert!(matches!(parse(&entry(&fields, 1)), Entry::Bad(_)), "{junk}");
+        }
+        let rec = record("u".into(), "c".into());
+        for gen in ["x", "-1", "0", "2"] {
+            let e = entry_with(
+                &consume_fields(&rec, None, None),
+                &[(AT, "1".into()), (GEN, gen.into())],
+            );
+            assert!(matches!(parse(&e), Entry::Bad(_)), "gen {gen}");
         }
     }
 }

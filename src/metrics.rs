@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use prometheus::{
-    Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    Opts, Registry, TextEncoder,
 };
 
 /// Counters of one biz type since the last flush.
@@ -47,6 +47,7 @@ pub struct Metrics {
     pub redis_p99: Gauge,
     pub redis_bypass: IntCounterVec,
     pub resync_depth: IntGauge,
+    pub journal_dead_letters: IntCounter,
     pending: Mutex<HashMap<String, StatCounts>>,
 }
 
@@ -173,6 +174,11 @@ impl Metrics {
             "Redis writes queued while it was down, replayed when it is back.",
         )
         .expect("valid metric");
+        let journal_dead_letters = IntCounter::new(
+            "ledger_journal_dead_letters_total",
+            "Fast-type journal entries that can never apply (unreadable, or refused by Postgres for what they hold), set aside in the stream <prefix>journal:dead.",
+        )
+        .expect("valid metric");
         for c in [
             Box::new(tokens_issued.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(consume_total.clone()),
@@ -191,6 +197,7 @@ impl Metrics {
             Box::new(redis_p99.clone()),
             Box::new(redis_bypass.clone()),
             Box::new(resync_depth.clone()),
+            Box::new(journal_dead_letters.clone()),
         ] {
             registry.register(c).expect("distinct metric names");
         }
@@ -225,6 +232,7 @@ impl Metrics {
             redis_p99,
             redis_bypass,
             resync_depth,
+            journal_dead_letters,
             pending: Mutex::new(HashMap::new()),
         }
     }

@@ -6,26 +6,34 @@
 //!    stream are written to Postgres (the journal drainer's own code).
 //! 2. A `SCAN` of `<prefix>tok:*` in pages, each page read with one pipeline
 //!    and compared with Postgres in one query:
-//!    `redis_live_but_consumed` (Redis says issued, Postgres consumed: the key
-//!    is deleted, so Postgres answers) and `stale_provisional` (a provisional
+//!    `redis_live_but_consumed` (Redis says issued at a generation older than
+//!    the one Postgres consumed the token at: the key is deleted, so Postgres
+//!    answers; a fast release Redis decided and the journal has not carried
+//!    yet is newer, and left alone), `stale_provisional` (a provisional
 //!    marker past its deadline: back to issued with the remaining TTL, or to
-//!    consumed when Postgres consumed it).
+//!    consumed when Postgres consumed it) and `redis_consumed_but_live` (a
+//!    durable token's consumed marker while Postgres holds it issued: a
+//!    release lost in a failover, a write-back that lost a race; the marker
+//!    gives way to the issued state with the remaining TTL).
 //! 3. Keyset pages of the tokens Postgres holds as issued and live:
-//!    `redis_missing_but_live` (re-seeded with the remaining TTL by Postgres's
-//!    clock; never overwriting a key; undone when a consume won meanwhile).
+//!    `redis_missing_but_live` (re-seeded at Postgres's generation with the
+//!    remaining TTL by Postgres's clock; never overwriting a key; undone when
+//!    a consume won meanwhile).
 //! 4. Keyset pages of orders: `order_inconsistent` (reported, never repaired).
 //! 5. `expired_purgeable`: records past `tokens.retention` (and past their
 //!    own expiry) are deleted in batches; they then answer `token_expired`.
 //!
 //! Every repair writes a `reconcile.repaired` audit event whose detail names
 //! the class. Every Redis repair is one script on one key that checks the
-//! state it expects first, so a repair racing live traffic does nothing
-//! rather than something wrong. No repair makes a consumed token live again.
+//! state and generation it expects first, so a repair racing live traffic
+//! does nothing rather than something wrong. No repair makes a token live
+//! that Postgres holds consumed. Journal entries that can never apply (the
+//! dead-letter stream) are named in the report's `errors`.
 //! The run stops between batches when cancelled; rerunning continues the job.
 
 pub mod report;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,11 +42,11 @@ use futures_util::stream::{self, StreamExt};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Settings;
+use crate::config::{Durability, Settings};
 use crate::durable::reconcile::{self as sql, PurgeKind, Repair};
 use crate::durable::tokens::TokenState;
 use crate::durable::DurableError;
-use crate::fast::{FastError, FastTier, KeyState, Marker};
+use crate::fast::{FastError, FastTier, KeyRead, KeyState, Marker};
 use crate::token::{SnowflakeId, TokenCodec};
 
 pub use crate::durable::reconcile::LOCK_KEY;
@@ -160,7 +168,7 @@ enum PhaseError {
 }
 
 /// An error and its causes, `a: b: c`, for the report.
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut cause = e.source();
     while let Some(c) = cause {
@@ -232,8 +240,21 @@ impl Run<'_> {
         &self.r.pool
     }
 
-    /// Phase 1: fast-type journal entries not yet in Postgres.
+    /// Phase 1: fast-type journal entries not yet in Postgres; then the
+    /// entries that can never apply are named in the report's errors.
     async fn journal(&mut self) -> Result<(), PhaseError> {
+        self.drain_journal().await?;
+        let dead = self.r.fast.dead_letters().await?;
+        if dead > 0 {
+            self.errors.push(format!(
+                "journal: {dead} entries can never apply and were set aside in the stream {} (each with its reason); they are not in Postgres",
+                self.r.fast.journal_dead_key()
+            ));
+        }
+        Ok(())
+    }
+
+    async fn drain_journal(&mut self) -> Result<(), PhaseError> {
         let waiting = self.r.fast.journal_len().await?;
         self.progress.phase(Phase::Journal, Some(waiting));
         self.found.add(Class::JournalNotDurable, waiting);
@@ -333,9 +354,9 @@ impl Run<'_> {
         let suspects: Vec<usize> = states
             .iter()
             .enumerate()
-            .filter(|(_, s)| match s {
-                KeyState::Issued => true,
-                KeyState::Provisional { deadline_ms } => *deadline_ms <= redis_now,
+            .filter(|(_, k)| match k.state {
+                KeyState::Issued | KeyState::Consumed => true,
+                KeyState::Provisional { deadline_ms } => deadline_ms <= redis_now,
                 _ => false,
             })
             .map(|(i, _)| i)
@@ -353,72 +374,28 @@ impl Run<'_> {
         for i in suspects {
             let (text, id, exp_ms) = &page[i];
             let row = rows.get(&id.as_i64());
-            match states[i] {
-                KeyState::Issued => {
-                    let Some(t) = row.filter(|t| t.state == TokenState::Consumed) else {
-                        continue;
-                    };
-                    self.found.add(Class::RedisLiveButConsumed, 1);
-                    if self.opts.dry_run {
-                        continue;
-                    }
-                    match self.r.fast.drop_if_issued(text).await {
-                        Ok(true) => {
-                            self.repaired.add(Class::RedisLiveButConsumed, 1);
-                            repairs.push(repair_of(Class::RedisLiveButConsumed, "deleted", t));
-                        }
-                        Ok(false) => {}
-                        Err(e) => {
-                            failed = Some(e.into());
-                            break;
-                        }
-                    }
+            match self
+                .key_repair(text, states[i], row, exp_ms - redis_now)
+                .await
+            {
+                Ok(Some((class, action))) => repairs.push(match row {
+                    Some(t) => repair_of(class, action, t),
+                    None => Repair {
+                        class: class.as_str(),
+                        action,
+                        token_id: Some(id.as_i64()),
+                        token: Some(text.clone()),
+                        subject: None,
+                        biz_type: text.split('_').next().map(str::to_owned),
+                        client: None,
+                        count: None,
+                    },
+                }),
+                Ok(None) => {}
+                Err(e) => {
+                    failed = Some(e.into());
+                    break;
                 }
-                KeyState::Provisional { .. } => {
-                    self.found.add(Class::StaleProvisional, 1);
-                    if self.opts.dry_run {
-                        continue;
-                    }
-                    let consumed = row.filter(|t| t.state == TokenState::Consumed);
-                    let remaining = row.map(|t| t.remaining_ms).unwrap_or(exp_ms - redis_now);
-                    let marker = consumed.map(marker_of);
-                    let cleared = match self
-                        .r
-                        .fast
-                        .clear_stale(text, remaining, marker.as_ref())
-                        .await
-                    {
-                        Ok(cleared) => cleared,
-                        Err(e) => {
-                            failed = Some(e.into());
-                            break;
-                        }
-                    };
-                    if cleared {
-                        self.repaired.add(Class::StaleProvisional, 1);
-                        let action = if consumed.is_some() {
-                            "marked_consumed"
-                        } else if remaining > 0 {
-                            "reset_to_issued"
-                        } else {
-                            "deleted"
-                        };
-                        repairs.push(match row {
-                            Some(t) => repair_of(Class::StaleProvisional, action, t),
-                            None => Repair {
-                                class: Class::StaleProvisional.as_str(),
-                                action,
-                                token_id: Some(id.as_i64()),
-                                token: Some(text.clone()),
-                                subject: None,
-                                biz_type: text.split('_').next().map(str::to_owned),
-                                client: None,
-                                count: None,
-                            },
-                        });
-                    }
-                }
-                _ => {}
             }
         }
         sql::record_repairs(self.pool(), &repairs).await?;
@@ -427,6 +404,93 @@ impl Run<'_> {
         }
         self.progress.advance(page.len() as u64);
         Ok(())
+    }
+
+    /// Compares one Redis key with Postgres's row, counts what diverged and
+    /// (unless a dry run) repairs it; returns the repair made, for its audit
+    /// event. `left_ms`: the token's time to live by its embedded expiry,
+    /// used when Postgres has no row.
+    async fn key_repair(
+        &mut self,
+        text: &str,
+        key: KeyRead,
+        row: Option<&sql::PgToken>,
+        left_ms: i64,
+    ) -> Result<Option<(Class, &'static str)>, FastError> {
+        let consumed = row.filter(|t| t.state == TokenState::Consumed);
+        match key.state {
+            // Postgres consumed the token at a newer generation than the
+            // issued state Redis holds (a fast release Redis decided and the
+            // journal has not carried yet is newer: left alone).
+            KeyState::Issued => {
+                let Some(t) = consumed.filter(|t| key.gen() < t.gen) else {
+                    return Ok(None);
+                };
+                self.found.add(Class::RedisLiveButConsumed, 1);
+                if self.opts.dry_run || !self.r.fast.drop_if_issued(text, t.gen).await? {
+                    return Ok(None);
+                }
+                self.repaired.add(Class::RedisLiveButConsumed, 1);
+                Ok(Some((Class::RedisLiveButConsumed, "deleted")))
+            }
+            // Redis never decides a durable consume: Postgres holds it live.
+            KeyState::Consumed => {
+                let Some(t) = row.filter(|t| {
+                    t.state == TokenState::Issued && t.durability == Durability::Durable.as_str()
+                }) else {
+                    return Ok(None);
+                };
+                self.found.add(Class::RedisConsumedButLive, 1);
+                if self.opts.dry_run
+                    || !self
+                        .r
+                        .fast
+                        .give_way(text, key.stored_gen, t.gen, t.remaining_ms)
+                        .await?
+                {
+                    return Ok(None);
+                }
+                self.repaired.add(Class::RedisConsumedButLive, 1);
+                let action = if t.remaining_ms > 0 {
+                    "reset_to_issued"
+                } else {
+                    "deleted"
+                };
+                Ok(Some((Class::RedisConsumedButLive, action)))
+            }
+            KeyState::Provisional { .. } => {
+                self.found.add(Class::StaleProvisional, 1);
+                if self.opts.dry_run {
+                    return Ok(None);
+                }
+                let remaining = row.map(|t| t.remaining_ms).unwrap_or(left_ms);
+                let marker = consumed.map(|t| (marker_of(t), t.gen));
+                let issued_gen = row.map(|t| t.gen).unwrap_or(-1);
+                let cleared = self
+                    .r
+                    .fast
+                    .clear_stale(
+                        text,
+                        remaining,
+                        marker.as_ref().map(|(m, g)| (m, *g)),
+                        issued_gen,
+                    )
+                    .await?;
+                if !cleared {
+                    return Ok(None);
+                }
+                self.repaired.add(Class::StaleProvisional, 1);
+                let action = if consumed.is_some() {
+                    "marked_consumed"
+                } else if remaining > 0 {
+                    "reset_to_issued"
+                } else {
+                    "deleted"
+                };
+                Ok(Some((Class::StaleProvisional, action)))
+            }
+            KeyState::Missing | KeyState::Unknown => Ok(None),
+        }
     }
 
     /// Phase 3: tokens Postgres holds as issued and live, against Redis.
@@ -459,7 +523,7 @@ impl Run<'_> {
             let missing: Vec<&sql::LiveToken> = page
                 .iter()
                 .zip(&states)
-                .filter(|(_, s)| **s == KeyState::Missing)
+                .filter(|(_, k)| k.state == KeyState::Missing)
                 .map(|(t, _)| t)
                 .collect();
             self.found
@@ -473,7 +537,7 @@ impl Run<'_> {
                         .map(|t| {
                             let fast = fast.clone();
                             async move {
-                                fast.reseed(&t.token, t.remaining_ms)
+                                fast.reseed(&t.token, t.remaining_ms, t.gen)
                                     .await
                                     .map(|ok| (ok, t))
                             }
@@ -495,14 +559,14 @@ impl Run<'_> {
                 // A consume may have won in Postgres between our read and the
                 // seed: take the seed back so Redis never shows it live.
                 let ids: Vec<i64> = seeded.iter().map(|t| t.id).collect();
-                let won: HashSet<i64> = sql::consumed_among(self.pool(), &ids)
+                let won: HashMap<i64, i64> = sql::consumed_among(self.pool(), &ids)
                     .await?
                     .into_iter()
                     .collect();
                 let mut repairs = Vec::new();
                 for t in seeded {
-                    if won.contains(&t.id) {
-                        if let Err(e) = self.r.fast.drop_if_issued(&t.token).await {
+                    if let Some(&gen) = won.get(&t.id) {
+                        if let Err(e) = self.r.fast.drop_if_issued(&t.token, gen).await {
                             failed = failed.or(Some(e.into()));
                         }
                         continue;

@@ -39,7 +39,11 @@ pub struct PgToken {
     pub subject: String,
     pub biz_type: String,
     pub client: String,
+    /// "durable" or "fast".
+    pub durability: String,
     pub state: TokenState,
+    /// Its generation (odd while consumed).
+    pub gen: i64,
     pub consumed_at: Option<DateTime<Utc>>,
     pub fingerprint: Option<String>,
     pub request_id: Option<String>,
@@ -57,8 +61,8 @@ pub async fn tokens_by_ids(
         return Ok(HashMap::new());
     }
     let rows = sqlx::query(
-        "SELECT id, token, subject, biz_type, client, state, consumed_at, fingerprint, request_id,
-                result::text AS result,
+        "SELECT id, token, subject, biz_type, client, durability::text AS durability, state, gen,
+                consumed_at, fingerprint, request_id, result::text AS result,
                 (extract(epoch FROM expires_at - now()) * 1000)::bigint AS remaining_ms
            FROM tokens WHERE id = ANY($1)",
     )
@@ -73,7 +77,9 @@ pub async fn tokens_by_ids(
             subject: r.try_get("subject")?,
             biz_type: r.try_get("biz_type")?,
             client: r.try_get("client")?,
+            durability: r.try_get("durability")?,
             state: r.try_get("state")?,
+            gen: r.try_get("gen")?,
             consumed_at: r.try_get("consumed_at")?,
             fingerprint: r.try_get("fingerprint")?,
             request_id: r.try_get("request_id")?,
@@ -95,6 +101,8 @@ pub struct LiveToken {
     pub client: String,
     pub expires_at: DateTime<Utc>,
     pub remaining_ms: i64,
+    /// Its generation (even: issued).
+    pub gen: i64,
 }
 
 /// Where a page of live tokens starts: after this `(expires_at, id)`.
@@ -112,7 +120,7 @@ pub async fn live_issued_page(
 ) -> Result<Vec<LiveToken>, DurableError> {
     let (after_exp, after_id) = after.unwrap_or((DateTime::<Utc>::UNIX_EPOCH, 0));
     let rows = sqlx::query(
-        "SELECT id, token, subject, biz_type, client, expires_at,
+        "SELECT id, token, subject, biz_type, client, expires_at, gen,
                 (extract(epoch FROM expires_at - now()) * 1000)::bigint AS remaining_ms
            FROM tokens
           WHERE state = 'issued' AND expires_at > now() + make_interval(secs => $3)
@@ -136,19 +144,21 @@ pub async fn live_issued_page(
                 client: r.try_get("client")?,
                 expires_at: r.try_get("expires_at")?,
                 remaining_ms: r.try_get("remaining_ms")?,
+                gen: r.try_get("gen")?,
             })
         })
         .collect::<Result<_, sqlx::Error>>()
         .map_err(Into::into)
 }
 
-/// Which of `ids` are consumed now (re-checked after re-seeding).
-pub async fn consumed_among(pool: &PgPool, ids: &[i64]) -> Result<Vec<i64>, DurableError> {
+/// Which of `ids` are consumed now, with their generation (re-checked after
+/// re-seeding).
+pub async fn consumed_among(pool: &PgPool, ids: &[i64]) -> Result<Vec<(i64, i64)>, DurableError> {
     if ids.is_empty() {
         return Ok(Vec::new());
     }
     Ok(
-        sqlx::query_scalar("SELECT id FROM tokens WHERE id = ANY($1) AND state = 'consumed'")
+        sqlx::query_as("SELECT id, gen FROM tokens WHERE id = ANY($1) AND state = 'consumed'")
             .bind(ids)
             .fetch_all(pool)
             .await?,

@@ -21,7 +21,7 @@ pub enum TokenState {
 }
 
 /// Everything the signed token says, as a row.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TokenRecord {
     pub id: i64,
     pub token: String,
@@ -43,6 +43,9 @@ pub struct Existing {
     pub result: Option<Json>,
     pub order_id: Option<String>,
     pub expires_at: DateTime<Utc>,
+    /// The token's generation: bumped by every consume and release (odd
+    /// while consumed); a result belongs to the consumed generation.
+    pub gen: i64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -64,12 +67,13 @@ fn existing(row: &PgRow) -> Result<Existing, sqlx::Error> {
         result: row.try_get("result")?,
         order_id: row.try_get("order_id")?,
         expires_at: row.try_get("expires_at")?,
+        gen: row.try_get("gen")?,
     })
 }
 
 const SELECT_EXISTING: &str =
-    "SELECT state, consumed_at, fingerprint, request_id, result, order_id, expires_at
-                                 FROM tokens WHERE id = $1";
+    "SELECT state, consumed_at, fingerprint, request_id, result, order_id, expires_at, gen
+       FROM tokens WHERE id = $1";
 
 /// Reads a token's state.
 pub async fn find(pool: &PgPool, id: i64) -> Result<Option<Existing>, DurableError> {
@@ -87,30 +91,47 @@ pub async fn consume(
     fingerprint: Option<&str>,
     request_id: Option<&str>,
 ) -> Result<ConsumeRow, DurableError> {
+    consume_versioned(pool, rec, fingerprint, request_id)
+        .await
+        .map(|(row, _)| row)
+}
+
+/// The durable consume, with the generation the token is at afterwards
+/// (the one this statement moved it to when it won; the row's otherwise,
+/// 0 when there is no row). A win moves an issued token to the next
+/// generation in the same statement as the state change and its audit row.
+pub async fn consume_versioned(
+    pool: &PgPool,
+    rec: &TokenRecord,
+    fingerprint: Option<&str>,
+    request_id: Option<&str>,
+) -> Result<(ConsumeRow, i64), DurableError> {
     let row = sqlx::query(
         r#"
         WITH claim AS (
             INSERT INTO tokens AS t (id, token, biz_type, durability, subject, client, issued_at,
-                                     expires_at, state, consumed_at, fingerprint, request_id)
-            SELECT $1, $2, $3, $4::durability, $5, $6, $7, $8, 'consumed', now(), $9, $10
+                                     expires_at, state, gen, consumed_at, fingerprint, request_id)
+            SELECT $1, $2, $3, $4::durability, $5, $6, $7, $8, 'consumed', 1, now(), $9, $10
              WHERE $8 > now()
             ON CONFLICT (id) DO UPDATE
-               SET state = 'consumed', consumed_at = now(),
+               SET state = 'consumed', gen = t.gen + 1, consumed_at = now(),
                    fingerprint = EXCLUDED.fingerprint, request_id = EXCLUDED.request_id
              WHERE t.state = 'issued' AND t.expires_at > now()
-            RETURNING t.consumed_at
+            RETURNING t.consumed_at, t.gen
         ), audit AS (
-            INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, client, detail)
-            SELECT c.consumed_at, 'token.consumed', $1, $2, $5, $3, $6,
+            INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, client, gen, detail)
+            SELECT c.consumed_at, 'token.consumed', $1, $2, $5, $3, $6, c.gen,
                    jsonb_strip_nulls(jsonb_build_object('fingerprint', $9::text, 'request_id', $10::text))
               FROM claim c
+            ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
         )
         SELECT true AS won, 'consumed'::token_state AS state, c.consumed_at,
                NULL::text AS fingerprint, NULL::text AS request_id, NULL::jsonb AS result,
-               NULL::text AS order_id, $8 AS expires_at
+               NULL::text AS order_id, $8 AS expires_at, c.gen
           FROM claim c
         UNION ALL
-        SELECT false, t.state, t.consumed_at, t.fingerprint, t.request_id, t.result, t.order_id, t.expires_at
+        SELECT false, t.state, t.consumed_at, t.fingerprint, t.request_id, t.result, t.order_id,
+               t.expires_at, t.gen
           FROM tokens t
          WHERE t.id = $1 AND NOT EXISTS (SELECT 1 FROM claim)
         "#,
@@ -128,13 +149,17 @@ pub async fn consume(
     .fetch_optional(pool)
     .await?;
     match row {
-        Some(r) if r.try_get::<bool, _>("won")? => Ok(ConsumeRow::Won {
-            consumed_at: r.try_get("consumed_at")?,
-        }),
+        Some(r) if r.try_get::<bool, _>("won")? => Ok((
+            ConsumeRow::Won {
+                consumed_at: r.try_get("consumed_at")?,
+            },
+            r.try_get("gen")?,
+        )),
         Some(r) => {
             let e = existing(&r)?;
             if e.state == TokenState::Consumed {
-                return Ok(ConsumeRow::Existing(e));
+                let gen = e.gen;
+                return Ok((ConsumeRow::Existing(e), gen));
             }
             // Not claimed, yet our snapshot says issued: either it is past
             // `now()`, or a concurrent consume committed after our snapshot was
@@ -148,10 +173,13 @@ pub async fn consume(
     }
 }
 
-async fn fresh_read(pool: &PgPool, id: i64) -> Result<ConsumeRow, DurableError> {
+async fn fresh_read(pool: &PgPool, id: i64) -> Result<(ConsumeRow, i64), DurableError> {
     Ok(match find(pool, id).await? {
-        Some(e) => ConsumeRow::Existing(e),
-        None => ConsumeRow::Expired,
+        Some(e) => {
+            let gen = e.gen;
+            (ConsumeRow::Existing(e), gen)
+        }
+        None => (ConsumeRow::Expired, 0),
     })
 }
 
@@ -162,56 +190,92 @@ pub enum ResultRow {
     Unknown,
 }
 
+/// What [`set_result_versioned`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ResultDecided {
+    /// Recorded now: the consumed state it belongs to, result included.
+    Recorded(Existing),
+    /// Not recorded: the token as it is (another result, or not consumed).
+    Existing(Existing),
+    Unknown,
+}
+
 /// Records the business result of a consumed token, with its audit row.
 pub async fn set_result(pool: &PgPool, id: i64, result: &Json) -> Result<ResultRow, DurableError> {
+    Ok(match set_result_versioned(pool, id, result).await? {
+        ResultDecided::Recorded(_) => ResultRow::Recorded,
+        ResultDecided::Existing(e) => ResultRow::Existing(e),
+        ResultDecided::Unknown => ResultRow::Unknown,
+    })
+}
+
+/// Records the business result of a consumed token, with its audit row, and
+/// returns the consumed state it now belongs to (its generation, time,
+/// request id and fingerprint: what a write back to Redis needs). A result
+/// does not change the generation.
+pub async fn set_result_versioned(
+    pool: &PgPool,
+    id: i64,
+    result: &Json,
+) -> Result<ResultDecided, DurableError> {
     let row = sqlx::query(
         r#"
         WITH upd AS (
             UPDATE tokens SET result = $2, result_at = now()
              WHERE id = $1 AND state = 'consumed' AND result IS NULL
-            RETURNING id, token, subject, biz_type, client
+            RETURNING id, token, subject, biz_type, client, state, consumed_at, fingerprint,
+                      request_id, result, order_id, expires_at, gen, result_at
         ), audit AS (
-            INSERT INTO audit_events (kind, token_id, token, subject, biz_type, client, detail)
-            SELECT 'token.result', u.id, u.token, u.subject, u.biz_type, u.client, jsonb_build_object('result', $2)
+            INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, client, gen, detail)
+            SELECT u.result_at, 'token.result', u.id, u.token, u.subject, u.biz_type, u.client, u.gen,
+                   jsonb_build_object('result', $2)
               FROM upd u
+            ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
         )
-        SELECT true AS recorded FROM upd
+        SELECT state, consumed_at, fingerprint, request_id, result, order_id, expires_at, gen FROM upd
         "#,
     )
     .bind(id)
     .bind(result)
     .fetch_optional(pool)
     .await?;
-    if row.is_some() {
-        return Ok(ResultRow::Recorded);
+    if let Some(r) = row {
+        return Ok(ResultDecided::Recorded(existing(&r)?));
     }
     Ok(match find(pool, id).await? {
-        Some(e) => ResultRow::Existing(e),
-        None => ResultRow::Unknown,
+        Some(e) => ResultDecided::Existing(e),
+        None => ResultDecided::Unknown,
     })
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum ReleaseRow {
-    Released { expires_at: DateTime<Utc> },
+    /// Released now: issued again at generation `gen`.
+    Released {
+        expires_at: DateTime<Utc>,
+        gen: i64,
+    },
     Existing(Existing),
     Unknown,
 }
 
-/// Returns a consumed token with no result and no order event to issued.
+/// Returns a consumed token with no result and no order event to issued, at
+/// the next generation, with its audit row.
 pub async fn release(pool: &PgPool, id: i64) -> Result<ReleaseRow, DurableError> {
     let row = sqlx::query(
         r#"
         WITH rel AS (
             UPDATE tokens
-               SET state = 'issued', consumed_at = NULL, fingerprint = NULL, request_id = NULL
+               SET state = 'issued', gen = gen + 1, consumed_at = NULL, fingerprint = NULL,
+                   request_id = NULL
              WHERE id = $1 AND state = 'consumed' AND result IS NULL AND order_id IS NULL
-            RETURNING id, token, subject, biz_type, client, expires_at
+            RETURNING id, token, subject, biz_type, client, expires_at, gen
         ), audit AS (
-            INSERT INTO audit_events (kind, token_id, token, subject, biz_type, client)
-            SELECT 'token.released', r.id, r.token, r.subject, r.biz_type, r.client FROM rel r
+            INSERT INTO audit_events (kind, token_id, token, subject, biz_type, client, gen)
+            SELECT 'token.released', r.id, r.token, r.subject, r.biz_type, r.client, r.gen FROM rel r
+            ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
         )
-        SELECT expires_at FROM rel
+        SELECT expires_at, gen FROM rel
         "#,
     )
     .bind(id)
@@ -220,6 +284,7 @@ pub async fn release(pool: &PgPool, id: i64) -> Result<ReleaseRow, DurableError>
     if let Some(r) = row {
         return Ok(ReleaseRow::Released {
             expires_at: r.try_get("expires_at")?,
+            gen: r.try_get("gen")?,
         });
     }
     Ok(match find(pool, id).await? {
@@ -299,7 +364,11 @@ pub struct JournalConsume {
     pub request_id: Option<String>,
 }
 
-/// Applies journaled fast consumes in one statement; re-applying is a no-op.
+/// Applies journaled fast consumes written without a generation (by
+/// instances older than generations, while a deploy rolls over) in one
+/// statement: each consumes an issued token, moving it to the next
+/// generation; re-applying is a no-op. Entries with a generation go through
+/// [`super::journal::apply`].
 pub async fn apply_journal_consumes(
     pool: &PgPool,
     batch: &[JournalConsume],
@@ -345,20 +414,21 @@ pub async fn apply_journal_consumes(
                        AS r(id, token, biz_type, subject, client, issued_at, expires_at, consumed_at, fingerprint, request_id)
         ), ins AS (
             INSERT INTO tokens AS t (id, token, biz_type, durability, subject, client, issued_at, expires_at,
-                                     state, consumed_at, fingerprint, request_id)
+                                     state, gen, consumed_at, fingerprint, request_id)
             SELECT id, token, biz_type, 'fast', subject, client, issued_at, expires_at,
-                   'consumed', consumed_at, fingerprint, request_id FROM r
+                   'consumed', 1, consumed_at, fingerprint, request_id FROM r
             ON CONFLICT (id) DO UPDATE
-               SET state = 'consumed', consumed_at = EXCLUDED.consumed_at,
+               SET state = 'consumed', gen = t.gen + 1, consumed_at = EXCLUDED.consumed_at,
                    fingerprint = EXCLUDED.fingerprint, request_id = EXCLUDED.request_id
-             WHERE t.state = 'issued'
-            RETURNING t.id
+             WHERE t.state = 'issued' AND t.durability = 'fast'
+            RETURNING t.id, t.gen
         )
-        INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, client, detail)
-        SELECT r.consumed_at, 'token.consumed', r.id, r.token, r.subject, r.biz_type, r.client,
+        INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, client, gen, detail)
+        SELECT r.consumed_at, 'token.consumed', r.id, r.token, r.subject, r.biz_type, r.client, ins.gen,
                jsonb_strip_nulls(jsonb_build_object('fingerprint', r.fingerprint, 'request_id', r.request_id,
                                                     'via', 'journal'))
           FROM r JOIN ins USING (id)
+        ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
         "#,
     )
     .bind(&ids)

@@ -9,15 +9,19 @@
 -- ARGV[3]  provisional lifetime, ms
 -- ARGV[4]  request_id ('' when absent)
 -- ARGV[5]  fingerprint ('' when absent)
--- ARGV[6]  consumed marker lifetime, ms
+-- ARGV[6]  consumed marker lifetime, ms (never beyond tokens.retention)
 -- ARGV[7]  '1' to append to the journal stream (fast mode), else '0'
 -- ARGV[8..] journal entry fields (field, value pairs), fast mode only
 --
--- Hash fields: s state (i issued, p provisional, c consumed), o owner,
--- d provisional deadline (ms), at consumed/claimed at (ms), rid, fp, res.
+-- Hash fields: s state (i issued, p provisional, c consumed), g generation
+-- (bumped by every consume and release: odd while consumed; a key written
+-- before generations has none, and its state tells it: c 1, otherwise 0),
+-- o owner, d provisional deadline (ms), at consumed/claimed at (ms), rid,
+-- fp, res. A claim does not change the generation: it is not a state change.
 --
--- Returns {kind, at, rid, fp, res}:
---   won         fast mode: consumed now, journal appended
+-- Returns {kind, at, rid, fp, res, g, now}, g the key's generation (after a
+-- win, the one it decided; -1 for a missing key), now Redis's clock in ms:
+--   won         fast mode: consumed now, journal appended (with `at` and `g`)
 --   claimed     durable mode: provisional marker set, Postgres decides
 --   consumed    consumed before (read only: duplicates are counted by the
 --               service, in Postgres's duplicate_attempts)
@@ -28,28 +32,38 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local key = KEYS[1]
 local mode = ARGV[1]
-local h = redis.call('HMGET', key, 's', 'd', 'at', 'rid', 'fp', 'res')
+local h = redis.call('HMGET', key, 's', 'd', 'at', 'rid', 'fp', 'res', 'g')
 local s = h[1]
+local g = tonumber(h[7])
+if not g then
+  if s == 'c' then g = 1 elseif s then g = 0 else g = -1 end
+end
+local function reply(kind, at, rid, fp, res)
+  return {kind, at or '', rid or '', fp or '', res or '', tostring(g), tostring(now)}
+end
 
 if s == 'c' then
-  return {'consumed', h[3] or '', h[4] or '', h[5] or '', h[6] or ''}
+  return reply('consumed', h[3], h[4], h[5], h[6])
 end
 if s == 'p' and tonumber(h[2] or '0') > now then
-  return {'provisional', h[3] or '', h[4] or '', h[5] or '', ''}
+  return reply('provisional', h[3], h[4], h[5], '')
 end
 if mode == 'peek' then
-  if s then return {'issued', '', '', '', ''} end
-  return {'miss', '', '', '', ''}
+  if s then return reply('issued') end
+  return reply('miss')
 end
 if mode == 'fast' then
-  if not s then return {'miss', '', '', '', ''} end
-  redis.call('HSET', key, 's', 'c', 'at', now, 'rid', ARGV[4], 'fp', ARGV[5])
+  if not s then return reply('miss') end
+  -- The next consumed (odd) generation.
+  g = g + 1
+  if g % 2 == 0 then g = g + 1 end
+  redis.call('HSET', key, 's', 'c', 'g', g, 'at', now, 'rid', ARGV[4], 'fp', ARGV[5])
   if s == 'p' then redis.call('HDEL', key, 'o', 'd') end
   redis.call('PEXPIRE', key, ARGV[6])
   if ARGV[7] == '1' then
-    redis.call('XADD', KEYS[2], '*', 'at', now, unpack(ARGV, 8))
+    redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, unpack(ARGV, 8))
   end
-  return {'won', tostring(now), '', '', ''}
+  return reply('won', tostring(now))
 end
 -- durable: claim. A missing key is claimed too (Postgres still decides), and
 -- lives no longer than the provisional marker unless finalized.
@@ -60,4 +74,4 @@ if not s then
 elseif redis.call('PTTL', key) < tonumber(ARGV[3]) + 1000 then
   redis.call('PEXPIRE', key, tonumber(ARGV[3]) + 1000)
 end
-return {'claimed', tostring(now), '', '', ''}
+return reply('claimed', tostring(now))

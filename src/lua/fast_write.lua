@@ -7,13 +7,25 @@
 -- ARGV[3]  '1' to append to the journal stream
 -- ARGV[4..] journal entry fields
 --
--- Returns {kind, detail}:
+-- The journal entry gets what only this script knows: `at` (now, ms), `g`
+-- (a result: the consumed generation it belongs to; a release: the next,
+-- issued, generation) and for a result the consumed state it completes
+-- (`cat` consumed at, `rid`, `fp`). Generations as in consume.lua.
+--
+-- Returns {kind, detail, g, now, cat, rid, fp}:
 --   result:  recorded | same | conflict (detail: stored result) | not_consumed | miss
 --   release: released | not_releasable | miss
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local key = KEYS[1]
-local h = redis.call('HMGET', key, 's', 'res', 'ord')
+local h = redis.call('HMGET', key, 's', 'res', 'ord', 'g', 'at', 'rid', 'fp')
 local s = h[1]
 if not s then return {'miss', ''} end
+local g = tonumber(h[4])
+if not g then
+  if s == 'c' then g = 1 else g = 0 end
+end
+local at, rid, fp = h[5] or '', h[6] or '', h[7] or ''
 if ARGV[1] == 'result' then
   if s ~= 'c' then return {'not_consumed', ''} end
   if h[2] then
@@ -22,19 +34,23 @@ if ARGV[1] == 'result' then
   end
   redis.call('HSET', key, 'res', ARGV[2])
   if ARGV[3] == '1' then
-    redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
+    redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, 'cat', at, 'rid', rid, 'fp', fp,
+      unpack(ARGV, 4))
   end
-  return {'recorded', ''}
+  return {'recorded', '', tostring(g), tostring(now), at, rid, fp}
 end
 -- release
 if s ~= 'c' or h[2] or h[3] then return {'not_releasable', ''} end
+-- The next issued (even) generation.
+g = g + 1
+if g % 2 == 1 then g = g + 1 end
 local ttl = tonumber(ARGV[2])
 redis.call('DEL', key)
 if ttl > 0 then
-  redis.call('HSET', key, 's', 'i')
+  redis.call('HSET', key, 's', 'i', 'g', g)
   redis.call('PEXPIRE', key, ttl)
 end
 if ARGV[3] == '1' then
-  redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
+  redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, unpack(ARGV, 4))
 end
-return {'released', ''}
+return {'released', '', tostring(g), tostring(now)}

@@ -26,7 +26,8 @@ if op == 'consumed' or op == 'consumed_force' then
   end
   redis.call('HSET', key, 's', 'c', 'at', ARGV[4], 'rid', ARGV[5], 'fp', ARGV[6])
   if ARGV[7] ~= '' then redis.call('HSET', key, 'res', ARGV[7]) end
-  redis.call('HDEL', key, 'o', 'd')
+  -- No generation known here: the key's state stands for it.
+  redis.call('HDEL', key, 'o', 'd', 'g')
   redis.call('PEXPIRE', key, ttl)
   return 1
 end

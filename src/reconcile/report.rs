@@ -29,17 +29,22 @@ pub enum Class {
     OrderInconsistent,
     /// Records past retention: purged.
     ExpiredPurgeable,
+    /// A durable token's consumed marker while Postgres holds it issued (a
+    /// release lost in a failover, a write-back that lost a race): the
+    /// marker gives way to the issued state.
+    RedisConsumedButLive,
 }
 
 impl Class {
     /// In the order of the report.
-    pub const ALL: [Class; 6] = [
+    pub const ALL: [Class; 7] = [
         Class::RedisLiveButConsumed,
         Class::RedisMissingButLive,
         Class::StaleProvisional,
         Class::JournalNotDurable,
         Class::OrderInconsistent,
         Class::ExpiredPurgeable,
+        Class::RedisConsumedButLive,
     ];
 
     /// The report key, the text's row name and the audit detail's `class`.
@@ -51,6 +56,7 @@ impl Class {
             Class::JournalNotDurable => "journal_not_durable",
             Class::OrderInconsistent => "order_inconsistent",
             Class::ExpiredPurgeable => "expired_purgeable",
+            Class::RedisConsumedButLive => "redis_consumed_but_live",
         }
     }
 
@@ -62,6 +68,7 @@ impl Class {
             Class::JournalNotDurable => 3,
             Class::OrderInconsistent => 4,
             Class::ExpiredPurgeable => 5,
+            Class::RedisConsumedButLive => 6,
         }
     }
 }

@@ -17,3 +17,4 @@ mod reconcile;
 mod result_release;
 mod security;
 mod startup_checks;
+mod versions;

@@ -36,6 +36,7 @@ fn consumed_row(result: Option<serde_json::Value>) -> Existing {
         result,
         order_id: None,
         expires_at: at(WON_AT + 60_000),
+        gen: 1,
     }
 }
 
