@@ -314,7 +314,7 @@ mod tests {
         let json = serde_json::to_string(&c).unwrap();
         assert_eq!(
             json,
-            r#"{"redis_live_but_consumed":0,"redis_missing_but_live":0,"stale_provisional":2,"journal_not_durable":0,"order_inconsistent":0,"expired_purgeable":5}"#
+            r#"{"redis_live_but_consumed":0,"redis_missing_but_live":0,"stale_provisional":2,"journal_not_durable":0,"order_inconsistent":0,"expired_purgeable":5,"redis_consumed_but_live":0}"#
         );
         let indexes: Vec<usize> = Class::ALL.iter().map(|c| c.index()).collect();
         assert_eq!(indexes, (0..Class::ALL.len()).collect::<Vec<_>>());
