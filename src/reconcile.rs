@@ -47,6 +47,7 @@ use crate::durable::reconcile::{self as sql, PurgeKind, Repair};
 use crate::durable::tokens::TokenState;
 use crate::durable::DurableError;
 use crate::fast::{FastError, FastTier, KeyRead, KeyState, Marker};
+use crate::journal::{DrainError, Drainer};
 use crate::token::{SnowflakeId, TokenCodec};
 
 pub use crate::durable::reconcile::LOCK_KEY;
@@ -163,8 +164,8 @@ enum PhaseError {
     Redis(#[from] FastError),
     #[error("postgres")]
     Postgres(#[from] DurableError),
-    #[error("journal: {0:#}")]
-    Journal(anyhow::Error),
+    #[error("journal")]
+    Journal(#[from] DrainError),
 }
 
 /// An error and its causes, `a: b: c`, for the report.
@@ -261,30 +262,17 @@ impl Run<'_> {
         if self.opts.dry_run || waiting == 0 {
             return Ok(());
         }
-        let key = self.r.fast.journal_key();
-        let mut group_ready = false;
-        // In the past, so that the first round also claims entries a dead
-        // instance left pending (idle for 30 s or more).
-        let mut last_claim = tokio::time::Instant::now()
-            .checked_sub(Duration::from_secs(60))
-            .unwrap_or_else(tokio::time::Instant::now);
-        // Entries an earlier interrupted run read but did not acknowledge come first.
-        let mut own_pending = true;
+        // The journal drainer's own code, as consumer `reconcile`: entries an
+        // earlier interrupted run read but did not acknowledge come first,
+        // and the first round also claims what dead instances left pending.
+        let mut drainer =
+            Drainer::new(self.r.fast.clone(), self.pool().clone(), "reconcile".into())
+                .claiming_at_once();
         loop {
             if self.cancel.is_cancelled() {
                 return Ok(());
             }
-            let n = crate::journal::drain_once(
-                &self.r.fast,
-                self.pool(),
-                &key,
-                "reconcile",
-                &mut group_ready,
-                &mut last_claim,
-                &mut own_pending,
-            )
-            .await
-            .map_err(PhaseError::Journal)?;
+            let n = drainer.drain_once().await?;
             if n == 0 {
                 return Ok(());
             }

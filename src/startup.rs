@@ -19,13 +19,14 @@ use crate::config::Settings;
 use crate::durable::{setup, Pools};
 use crate::fast::FastTier;
 use crate::http::{self, AppState};
+use crate::journal::Drainer;
 use crate::lease::WorkerLease;
 use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::orders::Orders;
 use crate::reconcile::Reconciler;
 use crate::token::{Clock, SystemClock};
-use crate::{bloom, journal, writer};
+use crate::{bloom, writer};
 
 #[derive(Debug, Clone, Copy)]
 pub struct BuildOptions {
@@ -99,12 +100,9 @@ impl Application {
         let lease_task = tokio::spawn(lease.clone().run(pools.hot.clone(), shutdown.clone()));
         let consumer = format!("worker-{}", lease.worker_id());
         let mut tasks = vec![
-            tokio::spawn(journal::run(
-                fast.clone(),
-                pools.hot.clone(),
-                consumer,
-                shutdown.clone(),
-            )),
+            tokio::spawn(
+                Drainer::new(fast.clone(), pools.hot.clone(), consumer).run(shutdown.clone()),
+            ),
             tokio::spawn(watch_redis(ledger.clone(), shutdown.clone())),
             tokio::spawn(prune_rate_limiters(ledger.clone(), shutdown.clone())),
         ];

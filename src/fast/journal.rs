@@ -1,0 +1,285 @@
+//! The journal stream in Redis: what the scripts decided for fast biz types
+//! waits there until [`crate::journal`] has written it to Postgres. Every
+//! stream command is here: appends (and, on a cluster, the backlog of
+//! appends that failed after their decision), the consumer group's reads,
+//! claims and acknowledgements, and the dead-letter stream.
+
+use std::collections::HashMap;
+
+use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
+use redis::Value;
+
+use super::{FastError, FastTier};
+
+/// The consumer group every instance (and reconcile) drains the stream in.
+pub const GROUP: &str = "ledger";
+
+/// Journal entries a cluster instance keeps for a later `XADD` at most.
+const JOURNAL_BACKLOG_LIMIT: usize = 100_000;
+
+/// One stream entry as read back: its id and its fields, as bytes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct JournalEntry {
+    pub id: String,
+    pub fields: HashMap<String, Vec<u8>>,
+}
+
+impl JournalEntry {
+    /// A field as text; `None` when absent or not UTF-8.
+    pub fn get(&self, field: &str) -> Option<&str> {
+        self.fields
+            .get(field)
+            .and_then(|v| std::str::from_utf8(v).ok())
+    }
+}
+
+impl From<StreamId> for JournalEntry {
+    fn from(e: StreamId) -> JournalEntry {
+        let fields = e
+            .map
+            .into_iter()
+            .filter_map(|(k, v)| match v {
+                Value::BulkString(bytes) => Some((k, bytes)),
+                other => redis::from_redis_value::<String>(other)
+                    .ok()
+                    .map(|s| (k, s.into_bytes())),
+            })
+            .collect();
+        JournalEntry { id: e.id, fields }
+    }
+}
+
+/// Which entries a group read asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadFrom {
+    /// Entries this consumer read before and has not acknowledged.
+    OwnPending,
+    /// Entries no consumer of the group has read yet.
+    New,
+}
+
+impl FastError {
+    /// The stream lost its consumer group (Redis restarted empty, a failover
+    /// to a replica without it, the key deleted): create it again.
+    pub fn is_no_group(&self) -> bool {
+        matches!(self, FastError::Redis(e) if e.to_string().contains("NOGROUP"))
+    }
+}
+
+impl FastTier {
+    pub fn journal_key(&self) -> String {
+        format!("{}journal", self.settings.key_prefix)
+    }
+
+    /// Whether scripts may append to the journal stream in the same call.
+    /// On a cluster the stream lives in another slot, so the journal entry is
+    /// written by a second command instead.
+    pub fn journal_in_script(&self) -> bool {
+        !self.cluster
+    }
+
+    /// Appends one entry to the journal stream (cluster mode, or repairs).
+    pub async fn append_journal(&self, fields: &[(&str, String)]) -> Result<(), FastError> {
+        let key = self.journal_key();
+        self.call("journal", |mut c| async move {
+            let mut cmd = redis::cmd("XADD");
+            cmd.arg(key).arg("*");
+            for (k, v) in fields {
+                cmd.arg(*k).arg(v.as_str());
+            }
+            cmd.query_async::<String>(&mut c).await.map(|_| ())
+        })
+        .await
+    }
+
+    /// Cluster: appends the journal entry of a decision the script already
+    /// made. A failure must not turn that decision into an error for its
+    /// caller (the token is consumed or released in Redis whatever we
+    /// answer), so the entry waits in the backlog instead.
+    pub(super) async fn append_or_queue(&self, entry: Vec<(&'static str, String)>) {
+        if let Err(e) = self.append_journal(&entry).await {
+            let mut q = self
+                .journal_backlog
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if q.len() < JOURNAL_BACKLOG_LIMIT {
+                tracing::debug!(error = %e, "journal entry queued for a later XADD");
+                q.push_back(entry);
+            } else {
+                tracing::error!(error = %e, "journal backlog full: a fast-type decision will not reach postgres");
+            }
+        }
+    }
+
+    /// Appends the queued journal entries, oldest first; returns how many
+    /// are left (0 on a standalone Redis, whose scripts append in place).
+    pub async fn flush_journal_backlog(&self) -> usize {
+        loop {
+            let next = self
+                .journal_backlog
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pop_front();
+            let Some(entry) = next else { return 0 };
+            if self.append_journal(&entry).await.is_err() {
+                let mut q = self
+                    .journal_backlog
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                q.push_front(entry);
+                return q.len();
+            }
+        }
+    }
+
+    /// The dead-letter stream: journal entries that can never apply.
+    pub fn journal_dead_key(&self) -> String {
+        format!("{}journal:dead", self.settings.key_prefix)
+    }
+
+    /// Sets a journal entry that can never apply aside in the dead-letter
+    /// stream, with its stream id (`src`) and why (`reason`), and counts it.
+    /// The stream keeps the newest 100,000 (approximately).
+    pub async fn dead_letter(&self, entry: &JournalEntry, reason: &str) -> Result<(), FastError> {
+        let key = self.journal_dead_key();
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(key)
+            .arg("MAXLEN")
+            .arg("~")
+            .arg(100_000)
+            .arg("*")
+            .arg("src")
+            .arg(&entry.id)
+            .arg("reason")
+            .arg(reason);
+        let mut fields: Vec<(&String, &Vec<u8>)> = entry.fields.iter().collect();
+        fields.sort_by(|a, b| a.0.cmp(b.0));
+        for (k, v) in fields {
+            cmd.arg(k).arg(v.as_slice());
+        }
+        self.call("dead_letter", |mut c| async move {
+            cmd.query_async::<Value>(&mut c).await.map(|_| ())
+        })
+        .await?;
+        self.metrics.journal_dead_letters.inc();
+        Ok(())
+    }
+
+    /// Entries in the dead-letter stream.
+    pub async fn dead_letters(&self) -> Result<u64, FastError> {
+        let key = self.journal_dead_key();
+        self.call("xlen", |mut c| async move {
+            redis::cmd("XLEN").arg(key).query_async::<u64>(&mut c).await
+        })
+        .await
+    }
+
+    /// Entries in the journal stream (not yet drained into Postgres, or
+    /// drained but not yet deleted).
+    pub async fn journal_len(&self) -> Result<u64, FastError> {
+        let key = self.journal_key();
+        self.call("xlen", |mut c| async move {
+            redis::cmd("XLEN").arg(key).query_async::<u64>(&mut c).await
+        })
+        .await
+    }
+
+    /// Creates the consumer group (and the stream) unless it exists.
+    pub async fn journal_group_create(&self) -> Result<(), FastError> {
+        let key = self.journal_key();
+        let created = self
+            .call("xgroup", |mut c| async move {
+                redis::cmd("XGROUP")
+                    .arg("CREATE")
+                    .arg(key)
+                    .arg(GROUP)
+                    .arg("0")
+                    .arg("MKSTREAM")
+                    .query_async::<()>(&mut c)
+                    .await
+            })
+            .await;
+        match created {
+            Err(FastError::Redis(e)) if e.to_string().contains("BUSYGROUP") => Ok(()),
+            other => other,
+        }
+    }
+
+    /// Takes over up to `count` entries that other consumers of the group
+    /// read but left unacknowledged for `idle_ms` or more (a dead instance).
+    pub async fn journal_claim_idle(
+        &self,
+        consumer: &str,
+        idle_ms: u64,
+        count: usize,
+    ) -> Result<Vec<JournalEntry>, FastError> {
+        let key = self.journal_key();
+        let claimed: StreamAutoClaimReply = self
+            .call("xautoclaim", |mut c| async move {
+                redis::cmd("XAUTOCLAIM")
+                    .arg(key)
+                    .arg(GROUP)
+                    .arg(consumer)
+                    .arg(idle_ms)
+                    .arg("0-0")
+                    .arg("COUNT")
+                    .arg(count)
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(claimed
+            .claimed
+            .into_iter()
+            .map(JournalEntry::from)
+            .collect())
+    }
+
+    /// Up to `count` entries for `consumer`, oldest first.
+    pub async fn journal_read(
+        &self,
+        consumer: &str,
+        from: ReadFrom,
+        count: usize,
+    ) -> Result<Vec<JournalEntry>, FastError> {
+        let key = self.journal_key();
+        let start = match from {
+            ReadFrom::OwnPending => "0",
+            ReadFrom::New => ">",
+        };
+        let read: StreamReadReply = self
+            .call("xreadgroup", |mut c| async move {
+                redis::cmd("XREADGROUP")
+                    .arg("GROUP")
+                    .arg(GROUP)
+                    .arg(consumer)
+                    .arg("COUNT")
+                    .arg(count)
+                    .arg("STREAMS")
+                    .arg(key)
+                    .arg(start)
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(read
+            .keys
+            .into_iter()
+            .flat_map(|k| k.ids)
+            .map(JournalEntry::from)
+            .collect())
+    }
+
+    /// Acknowledges and deletes entries Postgres now has (or that were set
+    /// aside).
+    pub async fn journal_ack(&self, ids: &[String]) -> Result<(), FastError> {
+        let key = self.journal_key();
+        self.call("xack", |mut c| async move {
+            let mut p = redis::pipe();
+            p.cmd("XACK").arg(&key).arg(GROUP).arg(ids).ignore();
+            p.cmd("XDEL").arg(&key).arg(ids).ignore();
+            p.query_async::<()>(&mut c).await
+        })
+        .await
+    }
+}

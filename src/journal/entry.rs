@@ -1,0 +1,567 @@
+//! The layout of a journal entry: what the ledger writes ([`consume_fields`]
+//! and the others) and what the drainer reads back ([`parse`]), including the
+//! layouts written before generations and before 0.1.
+
+use chrono::{TimeZone, Utc};
+use serde_json::Value as Json;
+
+use crate::config::Durability;
+use crate::durable::journal::{self as versioned, Decided, EntryKind, Versioned};
+use crate::durable::tokens::{JournalConsume, TokenRecord};
+use crate::fast::JournalEntry;
+
+/// The field that holds what the ledger knows of an entry: one JSON array
+/// (`["consume", id, token, biz, subject, client, issued_at_ms,
+/// expires_at_ms, request_id, fingerprint]`, `["result", id,
+/// result_json_text, token, biz, subject, client, issued_at_ms,
+/// expires_at_ms]`, `["release", id, token, biz, subject, client,
+/// issued_at_ms, expires_at_ms]`). The script that decided adds what only it
+/// knows as fields of their own: `at` (when, ms), `g` (the generation it
+/// decided), and for a result the consumed state it belongs to (`cat`
+/// consumed at, `rid`, `fp`). One field for the ledger's part keeps both the
+/// script's `XADD` and the drainer's parsing of the stream reply cheap.
+///
+/// Older layouts are still read: `["result", id, result_json_text]` and
+/// `["release", id]` (no token record), entries without `g`, and one stream
+/// field per value (`op`, `id`, ...; written before 0.1).
+pub const ENTRY: &str = "e";
+
+/// The fields a script adds to an entry.
+pub const AT: &str = "at";
+pub const GEN: &str = "g";
+pub const CONSUMED_AT: &str = "cat";
+pub const REQUEST_ID: &str = "rid";
+pub const FINGERPRINT: &str = "fp";
+
+/// The journal fields of a fast-type consume.
+pub fn consume_fields(
+    rec: &TokenRecord,
+    request_id: Option<&str>,
+    fingerprint: Option<&str>,
+) -> Vec<(&'static str, String)> {
+    let entry = (
+        "consume",
+        rec.id,
+        &rec.token,
+        &rec.biz_type,
+        &rec.subject,
+        &rec.client,
+        rec.issued_at.timestamp_millis(),
+        rec.expires_at.timestamp_millis(),
+        request_id.unwrap_or(""),
+        fingerprint.unwrap_or(""),
+    );
+    vec![(ENTRY, pack(&entry))]
+}
+
+/// The journal fields of a fast-type result, in the layout without a token
+/// record (see [`result_fields_for`]).
+pub fn result_fields(id: i64, result: &str) -> Vec<(&'static str, String)> {
+    // `result` is the JSON text as stored, carried as a string.
+    vec![(ENTRY, pack(&("result", id, result)))]
+}
+
+/// The journal fields of a fast-type release, in the layout without a token
+/// record (see [`release_fields_for`]).
+pub fn release_fields(id: i64) -> Vec<(&'static str, String)> {
+    vec![(ENTRY, pack(&("release", id)))]
+}
+
+/// The journal fields of a fast-type result, with the token record (so that
+/// it applies even before its consume entry has).
+pub fn result_fields_for(rec: &TokenRecord, result: &str) -> Vec<(&'static str, String)> {
+    let entry = (
+        "result",
+        rec.id,
+        result,
+        &rec.token,
+        &rec.biz_type,
+        &rec.subject,
+        &rec.client,
+        rec.issued_at.timestamp_millis(),
+        rec.expires_at.timestamp_millis(),
+    );
+    vec![(ENTRY, pack(&entry))]
+}
+
+/// The journal fields of a fast-type release, with the token record.
+pub fn release_fields_for(rec: &TokenRecord) -> Vec<(&'static str, String)> {
+    let entry = (
+        "release",
+        rec.id,
+        &rec.token,
+        &rec.biz_type,
+        &rec.subject,
+        &rec.client,
+        rec.issued_at.timestamp_millis(),
+        rec.expires_at.timestamp_millis(),
+    );
+    vec![(ENTRY, pack(&entry))]
+}
+
+fn pack(entry: &impl serde::Serialize) -> String {
+    // Serializing strings, integers and JSON values into a String cannot fail.
+    serde_json::to_string(entry).unwrap_or_default()
+}
+
+/// What [`ENTRY`] holds, told apart by length (the first element names it).
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum Packed {
+    Consume(
+        (
+            String,
+            i64,
+            String,
+            String,
+            String,
+            String,
+            i64,
+            i64,
+            String,
+            String,
+        ),
+    ),
+    ResultFor(
+        (
+            String,
+            i64,
+            String,
+            String,
+            String,
+            String,
+            String,
+            i64,
+            i64,
+        ),
+    ),
+    ReleaseFor((String, i64, String, String, String, String, i64, i64)),
+    Result((String, i64, String)),
+    Release((String, i64)),
+}
+
+#[derive(Debug)]
+pub(super) enum Entry {
+    /// A state and generation: applied by [`versioned::apply`].
+    Versioned(versioned::Entry),
+    /// Written without a generation: consume over issued.
+    Consume(JournalConsume),
+    /// Written without a token record: a result over consumed-without-result.
+    Result { id: i64, result: Json },
+    /// Written without a token record: consumed-without-result to issued.
+    Release { id: i64 },
+    /// Can never apply: set aside with this reason.
+    Bad(&'static str),
+}
+
+fn field(e: &JournalEntry, k: &str) -> String {
+    e.get(k).unwrap_or_default().to_owned()
+}
+
+fn ms_to_time(ms: &str) -> Option<chrono::DateTime<Utc>> {
+    ms.parse::<i64>()
+        .ok()
+        .and_then(|m| Utc.timestamp_millis_opt(m).single())
+}
+
+fn opt(s: String) -> Option<String> {
+    (!s.is_empty()).then_some(s)
+}
+
+pub(super) fn parse(e: &JournalEntry) -> Entry {
+    match e.get(ENTRY) {
+        Some(packed) => parse_packed(e, packed),
+        None => parse_fields(e),
+    }
+}
+
+/// The generation a script added, checked against what the entry says:
+/// odd for a consumed state, even (and past the issued one) for a release.
+fn gen_of(e: &JournalEntry, consumed: bool) -> Result<Option<i64>, &'static str> {
+    let Some(text) = e.get(GEN) else {
+        return Ok(None);
+    };
+    let gen: i64 = text.parse().map_err(|_| "generation is not a number")?;
+    match (consumed, gen % 2 == 1) {
+        (true, true) if gen >= 1 => Ok(Some(gen)),
+        (false, false) if gen >= 2 => Ok(Some(gen)),
+        _ => Err("generation does not match the state"),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn record(
+    id: i64,
+    token: String,
+    biz_type: String,
+    subject: String,
+    client: String,
+    iat: i64,
+    exp: i64,
+) -> Option<TokenRecord> {
+    let time = |ms: i64| Utc.timestamp_millis_opt(ms).single();
+    Some(TokenRecord {
+        id,
+        token,
+        biz_type,
+        durability: Durability::Fast,
+        subject,
+        client,
+        issued_at: time(iat)?,
+        expires_at: time(exp)?,
+    })
+}
+
+fn parse_packed(e: &JournalEntry, packed: &str) -> Entry {
+    let at = ms_to_time(&field(e, AT));
+    match serde_json::from_str::<Packed>(packed) {
+        Ok(Packed::Consume((op, id, token, biz, subject, client, iat, exp, rid, fp)))
+            if op == "consume" =>
+        {
+            let (Some(record), Some(at)) = (record(id, token, biz, subject, client, iat, exp), at)
+            else {
+                return Entry::Bad("unreadable time");
+            };
+            let (fingerprint, request_id) = (opt(fp), opt(rid));
+            match gen_of(e, true) {
+                Ok(Some(gen)) => Entry::Versioned(versioned::Entry {
+                    record,
+                    kind: EntryKind::Consume,
+                    at,
+                    version: Versioned {
+                        gen,
+                        state: Decided::Consumed {
+                            consumed_at: at,
+                            fingerprint,
+                            request_id,
+                            result: None,
+                        },
+                    },
+                }),
+                Ok(None) => Entry::Consume(JournalConsume {
+                    record,
+                    consumed_at: at,
+                    fingerprint,
+                    request_id,
+                }),
+                Err(why) => Entry::Bad(why),
+            }
+        }
+        Ok(Packed::ResultFor((op, id, text, token, biz, subject, client, iat, exp)))
+            if op == "result" =>
+        {
+            let Ok(result) = serde_json::from_str::<Json>(&text) else {
+                return Entry::Bad("result is not JSON");
+            };
+            let (Some(record), Some(at)) = (record(id, token, biz, subject, client, iat, exp), at)
+            else {
+                return Entry::Bad("unreadable time");
+            };
+            match gen_of(e, true) {
+                Ok(Some(gen)) => {
+                    let Some(consumed_at) = ms_to_time(&field(e, CONSUMED_AT)) else {
+                        return Entry::Bad("result without its consume time");
+                    };
+                    Entry::Versioned(versioned::Entry {
+                        record,
+                        kind: EntryKind::Result,
+                        at,
+                        version: Versioned {
+                            gen,
+                            state: Decided::Consumed {
+                                consumed_at,
+                                fingerprint: opt(field(e, FINGERPRINT)),
+                                request_id: opt(field(e, REQUEST_ID)),
+                                result: Some((result, at)),
+                            },
+                        },
+                    })
+                }
+                Ok(None) => Entry::Result { id, result },
+                Err(why) => Entry::Bad(why),
+            }
+        }
+        Ok(Packed::ReleaseFor((op, id, token, biz, subject, client, iat, exp)))
+            if op == "release" =>
+        {
+            let (Some(record), Some(at)) = (record(id, token, biz, subject, client, iat, exp), at)
+            else {
+                return Entry::Bad("unreadable time");
+            };
+            match gen_of(e, false) {
+                Ok(Some(gen)) => Entry::Versioned(versioned::Entry {
+                    record,
+                    kind: EntryKind::Release,
+                    at,
+                    version: Versioned {
+                        gen,
+                        state: Decided::Issued,
+                    },
+                }),
+                Ok(None) => Entry::Release { id },
+                Err(why) => Entry::Bad(why),
+            }
+        }
+        Ok(Packed::Result((op, id, text))) if op == "result" => match serde_json::from_str(&text) {
+            Ok(result) => Entry::Result { id, result },
+            Err(_) => Entry::Bad("result is not JSON"),
+        },
+        Ok(Packed::Release((op, id))) if op == "release" => Entry::Release { id },
+        _ => Entry::Bad("unreadable entry"),
+    }
+}
+
+/// The older layout: one stream field per value.
+fn parse_fields(e: &JournalEntry) -> Entry {
+    let id: Option<i64> = field(e, "id").parse().ok();
+    match (field(e, "op").as_str(), id) {
+        ("consume", Some(id)) => {
+            let (Some(iat), Some(exp), Some(at)) = (
+                ms_to_time(&field(e, "iat")),
+                ms_to_time(&field(e, "exp")),
+                ms_to_time(&field(e, AT)),
+            ) else {
+                return Entry::Bad("unreadable time");
+            };
+            Entry::Consume(JournalConsume {
+                record: TokenRecord {
+                    id,
+                    token: field(e, "token"),
+                    biz_type: field(e, "biz"),
+                    durability: Durability::Fast,
+                    subject: field(e, "sub"),
+                    client: field(e, "cl"),
+                    issued_at: iat,
+                    expires_at: exp,
+                },
+                consumed_at: at,
+                fingerprint: opt(field(e, "fp")),
+                request_id: opt(field(e, "rid")),
+            })
+        }
+        ("result", Some(id)) => match serde_json::from_str(&field(e, "res")) {
+            Ok(result) => Entry::Result { id, result },
+            Err(_) => Entry::Bad("result is not JSON"),
+        },
+        ("release", Some(id)) => Entry::Release { id },
+        _ => Entry::Bad("unreadable entry"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A stream entry as XREADGROUP returns it, with the fields a script adds.
+    fn entry_with(fields: &[(&'static str, String)], added: &[(&str, String)]) -> JournalEntry {
+        let fields = fields
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.as_str()))
+            .chain(added.iter().map(|(k, v)| (k.to_string(), v.as_str())))
+            .map(|(k, v)| (k, v.as_bytes().to_vec()))
+            .collect();
+        JournalEntry {
+            id: "1-0".into(),
+            fields,
+        }
+    }
+
+    /// With only the `at` a script adds (the layout without generations).
+    fn entry(fields: &[(&'static str, String)], at: i64) -> JournalEntry {
+        entry_with(fields, &[(AT, at.to_string())])
+    }
+
+    fn record(subject: String, client: String) -> TokenRecord {
+        TokenRecord {
+            id: 7_000_000_000_001,
+            token: "like_dev1_AAAA".into(),
+            biz_type: "like".into(),
+            durability: Durability::Fast,
+            subject,
+            client,
+            issued_at: Utc.timestamp_millis_opt(1_790_000_000_123).unwrap(),
+            expires_at: Utc.timestamp_millis_opt(1_790_000_060_000).unwrap(),
+        }
+    }
+
+    proptest! {
+        /// Any subject, client, request id and fingerprint (quotes, control
+        /// characters, unicode, the old separator) comes back unchanged, with
+        /// the generation the script added.
+        #[test]
+        fn consume_entries_round_trip(
+            subject in "\\PC{1,40}|.{1,40}",
+            client in ".{1,20}",
+            rid in proptest::option::of(".{0,30}"),
+            fp in proptest::option::of("[ -~]{0,30}"),
+            half_gen in 0i64..1_000_000,
+        ) {
+            let rid = rid.filter(|s| !s.is_empty());
+            let fp = fp.filter(|s| !s.is_empty());
+            let rec = record(subject, client);
+            let gen = 2 * half_gen + 1;
+            let fields = consume_fields(&rec, rid.as_deref(), fp.as_deref());
+            prop_assert_eq!(fields.len(), 1);
+            let e = entry_with(&fields, &[(AT, "1790000001000".into()), (GEN, gen.to_string())]);
+            match parse(&e) {
+                Entry::Versioned(v) => {
+                    prop_assert_eq!(&v.record, &rec);
+                    prop_assert_eq!(v.kind, EntryKind::Consume);
+                    prop_assert_eq!(v.at.timestamp_millis(), 1_790_000_001_000);
+                    prop_assert_eq!(v.version, Versioned {
+                        gen,
+                        state: Decided::Consumed {
+                            consumed_at: v.at,
+                            fingerprint: fp,
+                            request_id: rid,
+                            result: None,
+                        },
+                    });
+                }
+                other => prop_assert!(false, "{other:?}"),
+            }
+        }
+
+        /// Without `g` (written by an instance older than generations) a
+        /// consume keeps its old meaning.
+        #[test]
+        fn consume_entries_without_a_generation_round_trip(
+            subject in "\\PC{1,40}",
+            rid in proptest::option::of("[ -~]{1,30}"),
+        ) {
+            let rec = record(subject, "payments".into());
+            let fields = consume_fields(&rec, rid.as_deref(), None);
+            match parse(&entry(&fields, 1_790_000_001_000)) {
+                Entry::Consume(c) => {
+                    prop_assert_eq!(&c.record, &rec);
+                    prop_assert_eq!(c.consumed_at.timestamp_millis(), 1_790_000_001_000);
+                    prop_assert_eq!(c.request_id, rid);
+                    prop_assert_eq!(c.fingerprint, None);
+                }
+                other => prop_assert!(false, "{other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn result_and_release_round_trip() {
+        let rec = record("u-1".into(), "payments".into());
+        let text = r#"{"order":"o-1","note":"a \"quoted\" \u001f value"}"#;
+        let added = [
+            (AT, "1790000002000".to_owned()),
+            (GEN, "3".to_owned()),
+            (CONSUMED_AT, "1790000001000".to_owned()),
+            (REQUEST_ID, "r-1".to_owned()),
+            (FINGERPRINT, "".to_owned()),
+        ];
+        match parse(&entry_with(&result_fields_for(&rec, text), &added)) {
+            Entry::Versioned(v) => {
+                assert_eq!(
+                    (v.kind, v.version.gen, &v.record),
+                    (EntryKind::Result, 3, &rec)
+                );
+                let Decided::Consumed {
+                    consumed_at,
+                    fingerprint,
+                    request_id,
+                    result: Some((result, at)),
+                } = v.version.state
+                else {
+                    panic!("{:?}", v.version);
+                };
+                assert_eq!(consumed_at.timestamp_millis(), 1_790_000_001_000);
+                assert_eq!(at.timestamp_millis(), 1_790_000_002_000);
+                assert_eq!((fingerprint, request_id.as_deref()), (None, Some("r-1")));
+                assert_eq!(result, serde_json::from_str::<Json>(text).unwrap());
+            }
+            other => panic!("{other:?}"),
+        }
+        let added = [(AT, "1790000003000".to_owned()), (GEN, "4".to_owned())];
+        match parse(&entry_with(&release_fields_for(&rec), &added)) {
+            Entry::Versioned(v) => {
+                assert_eq!(v.kind, EntryKind::Release);
+                assert_eq!(
+                    v.version,
+                    Versioned {
+                        gen: 4,
+                        state: Decided::Issued
+                    }
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        // A generation that contradicts the state can never apply.
+        let odd = [(AT, "1790000003000".to_owned()), (GEN, "5".to_owned())];
+        assert!(matches!(
+            parse(&entry_with(&release_fields_for(&rec), &odd)),
+            Entry::Bad(_)
+        ));
+    }
+
+    #[test]
+    fn the_layouts_without_generations_are_still_read() {
+        let text = r#"{"order":"o-1"}"#;
+        match parse(&entry(&result_fields(42, text), 5)) {
+            Entry::Result { id, result } => {
+                assert_eq!(id, 42);
+                assert_eq!(result, serde_json::from_str::<Json>(text).unwrap());
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            parse(&entry(&release_fields(43), 5)),
+            Entry::Release { id: 43 }
+        ));
+        let fields: Vec<(&'static str, String)> = vec![
+            ("op", "consume".into()),
+            ("id", "9".into()),
+            ("token", "like_dev1_BBBB".into()),
+            ("biz", "like".into()),
+            ("sub", "u-1".into()),
+            ("cl", "payments".into()),
+            ("iat", "1790000000000".into()),
+            ("exp", "1790000060000".into()),
+            ("rid", "".into()),
+            ("fp", "sha256:1".into()),
+        ];
+        match parse(&entry(&fields, 1_790_000_000_500)) {
+            Entry::Consume(c) => {
+                assert_eq!((c.record.id, c.record.subject.as_str()), (9, "u-1"));
+                assert_eq!(c.request_id, None);
+                assert_eq!(c.fingerprint.as_deref(), Some("sha256:1"));
+            }
+            other => panic!("{other:?}"),
+        }
+        let old_release = vec![("op", "release".into()), ("id", "10".into())];
+        assert!(matches!(
+            parse(&entry(&old_release, 1)),
+            Entry::Release { id: 10 }
+        ));
+    }
+
+    #[test]
+    fn junk_is_bad_never_a_panic() {
+        for junk in [
+            "",
+            "[]",
+            "[\"consume\"]",
+            "[\"release\",\"x\"]",
+            "[\"result\",1,\"not json\"]",
+            "[\"drop\",1]",
+            "{\"op\":\"consume\"}",
+            "\u{0}",
+        ] {
+            let fields = vec![(ENTRY, junk.to_owned())];
+            assert!(matches!(parse(&entry(&fields, 1)), Entry::Bad(_)), "{junk}");
+        }
+        let rec = record("u".into(), "c".into());
+        for gen in ["x", "-1", "0", "2"] {
+            let e = entry_with(
+                &consume_fields(&rec, None, None),
+                &[(AT, "1".into()), (GEN, gen.into())],
+            );
+            assert!(matches!(parse(&e), Entry::Bad(_)), "gen {gen}");
+        }
+    }
+}
