@@ -1,0 +1,710 @@
+//! A tower [`Layer`] implementing the `Idempotency-Key` header
+//! (draft-ietf-httpapi-idempotency-key-header) on top of the ledger's
+//! client-supplied keys (`/v1/keys`), usable from axum or any tower stack.
+//!
+//! For a request with an unsafe method (anything but GET, HEAD, OPTIONS and
+//! TRACE, which pass through untouched):
+//!
+//! | situation | answer |
+//! |---|---|
+//! | first request with a key | the handler runs; its response is stored (see below) and returned |
+//! | a retry with the same key and payload, after the first finished | the stored response, with `Idempotent-Replayed: true`; the handler does not run |
+//! | a retry while the first is still running | 409, `Retry-After`, the handler does not run |
+//! | the same key with another payload (method, path with query, or body) | 422 |
+//! | no key, where the layer requires one (the default) | 400 |
+//! | a key that is not 1 to 255 printable ASCII characters (or a repeated header) | 400 |
+//! | a body over the limit (default 1 MiB) | 413 |
+//! | the ledger cannot be reached | 503 with `Retry-After`; the handler does not run |
+//!
+//! Errors of the layer itself are `application/problem+json` (RFC 9457).
+//!
+//! # Which responses are stored
+//! Every response below 500 (2xx, 3xx, 4xx) except 408 and 429 is stored as
+//! the key's result, and replayed to every later retry: its status, the
+//! headers named by [`IdempotencyLayer::store_header`] (by default
+//! `content-type`, `content-language`, `location`, `etag`, `last-modified`),
+//! and its body (as text, or base64 when it is not UTF-8). A body too large
+//! for the ledger's 64 KiB results is not stored: its retries replay the
+//! status and headers with an empty body.
+//!
+//! A 5xx, a 408 or 429, an error of the inner service, or a handler that
+//! panics releases the key: the next retry runs the handler again. Return a
+//! 5xx only when the handler did nothing that must not happen twice.
+//!
+//! The handler runs in its own task: a client that disconnects does not
+//! cancel it halfway, and its response is still stored for the retry.
+//!
+//! # Keys are per caller of the ledger, not per user
+//! Keys belong to the API key the layer's [`Client`] uses. When your own
+//! users choose their keys, give the layer a [`IdempotencyLayer::scope`]
+//! (their account id, say), so one user's key can never replay another
+//! user's response.
+
+use std::any::Any;
+use std::convert::Infallible;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use base64::Engine as _;
+use bytes::Bytes;
+use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use serde::{Deserialize, Serialize};
+use tower::{Layer, Service};
+
+use crate::client::{Client, REPLAYED};
+use crate::error::Error;
+use crate::fingerprint::{request_fingerprint, short_digest};
+use crate::keys::KeyConsumeRequest;
+use crate::outcome::ConsumeOutcome;
+
+/// The request header carrying the key.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// The ledger's limit on a key.
+const MAX_KEY: usize = 255;
+/// A stored response larger than this (as JSON) is stored without its body:
+/// the ledger takes results of at most 64 KiB with the request around them.
+const MAX_STORED: usize = 60 * 1024;
+
+/// The error of a [`BoxBody`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The request and response body of [`Idempotency`]: any body, boxed.
+///
+/// A struct rather than an alias of `UnsyncBoxBody<Bytes, BoxError>`: a
+/// trait object's lifetime inside the service's request type defeats rustc's
+/// `Send` inference for the futures that hold it.
+pub struct BoxBody(UnsyncBoxBody<Bytes, BoxError>);
+
+impl Body for BoxBody {
+    type Data = Bytes;
+    type Error = BoxError;
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        Pin::new(&mut self.get_mut().0).poll_frame(cx)
+    }
+    fn is_end_stream(&self) -> bool {
+        self.0.is_end_stream()
+    }
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.0.size_hint()
+    }
+}
+
+impl std::fmt::Debug for BoxBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BoxBody")
+    }
+}
+
+type Scope = Arc<dyn Fn(&http::request::Parts) -> Option<String> + Send + Sync>;
+
+#[derive(Clone)]
+struct Config {
+    client: Client,
+    biz_type: String,
+    required: bool,
+    stored_headers: Vec<HeaderName>,
+    in_progress_retry_after: Duration,
+    max_request_body: usize,
+    scope: Option<Scope>,
+}
+
+/// The `Idempotency-Key` layer; see the [module docs](self).
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    config: Arc<Config>,
+}
+
+impl std::fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("biz_type", &self.config.biz_type)
+            .field("required", &self.config.required)
+            .finish_non_exhaustive()
+    }
+}
+
+impl IdempotencyLayer {
+    /// Keys of `biz_type` (a biz type granted to the client's API key;
+    /// durable ones decide in Postgres). A key is required by default.
+    pub fn new(client: Client, biz_type: impl Into<String>) -> IdempotencyLayer {
+        IdempotencyLayer {
+            config: Arc::new(Config {
+                client,
+                biz_type: biz_type.into(),
+                required: true,
+                stored_headers: [
+                    "content-type",
+                    "content-language",
+                    "location",
+                    "etag",
+                    "last-modified",
+                ]
+                .into_iter()
+                .map(HeaderName::from_static)
+                .collect(),
+                in_progress_retry_after: Duration::from_secs(1),
+                max_request_body: 1024 * 1024,
+                scope: None,
+            }),
+        }
+    }
+
+    fn with(mut self, f: impl FnOnce(&mut Config)) -> IdempotencyLayer {
+        f(Arc::make_mut(&mut self.config));
+        self
+    }
+
+    /// Requests without a key pass through to the handler unguarded
+    /// (instead of 400).
+    pub fn optional(self) -> IdempotencyLayer {
+        self.with(|c| c.required = false)
+    }
+
+    /// Also store and replay this response header.
+    pub fn store_header(self, name: HeaderName) -> IdempotencyLayer {
+        self.with(|c| c.stored_headers.push(name))
+    }
+
+    /// The `Retry-After` of a 409 (default 1 s; whole seconds, at least 1).
+    pub fn in_progress_retry_after(self, after: Duration) -> IdempotencyLayer {
+        self.with(|c| c.in_progress_retry_after = after)
+    }
+
+    /// The largest request body read (default 1 MiB); larger is 413.
+    pub fn max_request_body(self, bytes: usize) -> IdempotencyLayer {
+        self.with(|c| c.max_request_body = bytes)
+    }
+
+    /// Scopes keys by what `scope` returns for a request (the authenticated
+    /// account, say): the same key of two scopes are two keys. `None` leaves
+    /// the key unscoped. A scoped key may be at most 222 characters.
+    pub fn scope<F>(self, scope: F) -> IdempotencyLayer
+    where
+        F: Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
+    {
+        self.with(|c| c.scope = Some(Arc::new(scope)))
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+    fn layer(&self, inner: S) -> Idempotency<S> {
+        Idempotency {
+            inner,
+            config: self.config.clone(),
+        }
+    }
+}
+
+/// The service [`IdempotencyLayer`] wraps around a handler.
+#[derive(Clone)]
+pub struct Idempotency<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S, ReqB, ResB> Service<Request<ReqB>> for Idempotency<S>
+where
+    S: Service<Request<BoxBody>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqB: Body<Data = Bytes> + Send + 'static,
+    ReqB::Error: Into<BoxError>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    type Response = Response<BoxBody>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<BoxBody>, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        // The clone that was polled ready is the one that serves this request.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        Box::pin(handle(self.config.clone(), inner, req))
+    }
+}
+
+fn boxed<B>(body: B) -> BoxBody
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    BoxBody(body.map_err(Into::into).boxed_unsync())
+}
+
+fn full(bytes: Bytes) -> BoxBody {
+    BoxBody(
+        Full::new(bytes)
+            .map_err(|never: Infallible| match never {})
+            .boxed_unsync(),
+    )
+}
+
+/// An `application/problem+json` answer of the layer itself.
+fn problem(status: StatusCode, title: &str, detail: &str) -> Response<BoxBody> {
+    let body = serde_json::json!({
+        "type": "about:blank",
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    let mut resp = Response::new(full(Bytes::from(body.to_string())));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    resp
+}
+
+fn with_retry_after(mut resp: Response<BoxBody>, after: Duration) -> Response<BoxBody> {
+    resp.headers_mut()
+        .insert(RETRY_AFTER, HeaderValue::from(after.as_secs().max(1)));
+    resp
+}
+
+/// The key of a request: absent, or its value (an RFC 8941 string such as
+/// `"8e03978e"` as the draft writes it, or the bare text as many clients
+/// send it), or why it is unusable.
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, String> {
+    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err("send one Idempotency-Key header, not several".into());
+    }
+    let text = value
+        .to_str()
+        .map_err(|_| "the Idempotency-Key must be printable ASCII".to_owned())?
+        .trim_matches([' ', '\t']);
+    let key = match text.strip_prefix('"') {
+        Some(rest) => {
+            let inner = rest
+                .strip_suffix('"')
+                .ok_or_else(|| "the quoted Idempotency-Key has no closing quote".to_owned())?;
+            let mut key = String::with_capacity(inner.len());
+            let mut chars = inner.chars();
+            while let Some(c) = chars.next() {
+                match c {
+                    '\\' => match chars.next() {
+                        Some(e @ ('"' | '\\')) => key.push(e),
+                        _ => return Err("a bad escape in the quoted Idempotency-Key".into()),
+                    },
+                    '"' => return Err("a bare quote inside the quoted Idempotency-Key".into()),
+                    c => key.push(c),
+                }
+            }
+            key
+        }
+        None => text.to_owned(),
+    };
+    if key.is_empty() || !key.bytes().all(|b| (0x20..=0x7e).contains(&b)) {
+        return Err("the Idempotency-Key must be 1 to 255 printable ASCII characters".into());
+    }
+    Ok(Some(key))
+}
+
+/// The key in the ledger: the header's key, prefixed by its scope's digest.
+fn ledger_key(config: &Config, parts: &http::request::Parts, key: &str) -> Result<String, String> {
+    let scoped = match config.scope.as_ref().and_then(|scope| scope(parts)) {
+        Some(scope) => format!("{}:{key}", short_digest(&scope)),
+        None => key.to_owned(),
+    };
+    if scoped.len() > MAX_KEY {
+        return Err(format!(
+            "the Idempotency-Key is too long (at most {} characters)",
+            MAX_KEY - (scoped.len() - key.len())
+        ));
+    }
+    Ok(scoped)
+}
+
+fn is_safe(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+    )
+}
+
+async fn handle<S, ReqB, ResB>(
+    config: Arc<Config>,
+    inner: S,
+    req: Request<ReqB>,
+) -> Result<Response<BoxBody>, S::Error>
+where
+    S: Service<Request<BoxBody>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqB: Body<Data = Bytes> + Send + 'static,
+    ReqB::Error: Into<BoxError>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    let passthrough = |mut inner: S, req: Request<ReqB>| async move {
+        inner.call(req.map(boxed)).await.map(|r| r.map(boxed))
+    };
+    if is_safe(req.method()) {
+        return passthrough(inner, req).await;
+    }
+    let key = match idempotency_key(req.headers()) {
+        Ok(Some(key)) => key,
+        Ok(None) if !config.required => return passthrough(inner, req).await,
+        Ok(None) => {
+            return Ok(problem(
+                StatusCode::BAD_REQUEST,
+                "Idempotency-Key is missing",
+                "This operation requires an Idempotency-Key header.",
+            ))
+        }
+        Err(why) => {
+            return Ok(problem(
+                StatusCode::BAD_REQUEST,
+                "Idempotency-Key is invalid",
+                &why,
+            ))
+        }
+    };
+    let (parts, body) = req.into_parts();
+    let body = match Limited::new(body, config.max_request_body).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            return Ok(problem(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "Request body too large",
+                &format!("At most {} bytes.", config.max_request_body),
+            ))
+        }
+        Err(_) => {
+            return Ok(problem(
+                StatusCode::BAD_REQUEST,
+                "Request body unreadable",
+                "The request body could not be read.",
+            ))
+        }
+    };
+    let key = match ledger_key(&config, &parts, &key) {
+        Ok(key) => key,
+        Err(why) => {
+            return Ok(problem(
+                StatusCode::BAD_REQUEST,
+                "Idempotency-Key is invalid",
+                &why,
+            ))
+        }
+    };
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let consume = KeyConsumeRequest::new(&config.biz_type, &key)
+        .with_fingerprint(request_fingerprint(parts.method.as_str(), path, &body));
+    match config.client.consume_key(&consume).await {
+        Ok(ConsumeOutcome::Won { .. }) => {
+            run_once(config, inner, Request::from_parts(parts, full(body)), key).await
+        }
+        Ok(ConsumeOutcome::InProgress { .. }) => Ok(with_retry_after(
+            problem(
+                StatusCode::CONFLICT,
+                "A request is outstanding for this Idempotency-Key",
+                "The first request with this key has not finished yet; retry later.",
+            ),
+            config.in_progress_retry_after,
+        )),
+        Ok(ConsumeOutcome::Completed { result, .. }) => Ok(replay(result)),
+        Err(Error::FingerprintMismatch(_)) => Ok(problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "Idempotency-Key is already used",
+            "This key was used for a request with another method, path or body.",
+        )),
+        Err(e) if e.is_retryable() => {
+            tracing::warn!(error = %e, "idempotency ledger unreachable: request refused");
+            Ok(with_retry_after(
+                problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "Idempotency ledger unavailable",
+                    "The request was not run; retry it with the same Idempotency-Key.",
+                ),
+                e.retry_after().unwrap_or(Duration::from_secs(1)),
+            ))
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "the idempotency ledger refused the key");
+            Ok(problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Idempotency check failed",
+                "The request was not run.",
+            ))
+        }
+    }
+}
+
+type Panic = Box<dyn Any + Send>;
+
+/// Runs the handler in its own task (a dropped connection does not cancel it
+/// halfway), then stores its response or releases the key.
+async fn run_once<S, ResB>(
+    config: Arc<Config>,
+    mut inner: S,
+    req: Request<BoxBody>,
+    key: String,
+) -> Result<Response<BoxBody>, S::Error>
+where
+    S: Service<Request<BoxBody>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    spawn_settled(config, inner.call(req), key).await
+}
+
+/// [`run_once`] over plain type parameters: naming the service's associated
+/// types inside the spawned block trips rustc's `Send` inference.
+async fn spawn_settled<Fut, ResB, E>(
+    config: Arc<Config>,
+    handler: Fut,
+    key: String,
+) -> Result<Response<BoxBody>, E>
+where
+    Fut: Future<Output = Result<Response<ResB>, E>> + Send + 'static,
+    E: Send + 'static,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    let task = tokio::spawn(async move {
+        match CatchUnwind(Box::pin(handler)).await {
+            Ok(Ok(resp)) => Ok(Ok(settle(&config, &key, resp).await)),
+            Ok(Err(e)) => {
+                release(&config, &key, "the inner service failed").await;
+                Ok(Err(e))
+            }
+            Err(panic) => {
+                release(&config, &key, "the handler panicked").await;
+                Err::<Result<_, E>, Panic>(panic)
+            }
+        }
+    });
+    match task.await {
+        Ok(Ok(answer)) => answer,
+        Ok(Err(panic)) => std::panic::resume_unwind(panic),
+        Err(join) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
+        // The runtime is shutting down.
+        Err(_) => Ok(problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "Shutting down",
+            "The request was interrupted.",
+        )),
+    }
+}
+
+async fn release(config: &Config, key: &str, why: &str) {
+    if let Err(e) = config.client.release_key(&config.biz_type, key).await {
+        tracing::warn!(error = %e, why, "could not release an idempotency key; retries answer 409 until it is released");
+    }
+}
+
+/// Stores a response below 500 (not 408 or 429) as the key's result;
+/// releases the key for the others.
+async fn settle<ResB>(config: &Config, key: &str, resp: Response<ResB>) -> Response<BoxBody>
+where
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    let status = resp.status();
+    if status.is_server_error()
+        || status == StatusCode::REQUEST_TIMEOUT
+        || status == StatusCode::TOO_MANY_REQUESTS
+    {
+        release(
+            config,
+            key,
+            "the handler answered a status that is not stored",
+        )
+        .await;
+        return resp.map(boxed);
+    }
+    let (parts, body) = resp.into_parts();
+    let body = match body.collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) => {
+            // The handler ran (it answered below 500) but its body broke: the
+            // key stays consumed, since its side effects may have happened.
+            let e: BoxError = e.into();
+            tracing::error!(error = %e, "the handler's response body failed; the key stays consumed");
+            return problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Response failed",
+                "The request ran but its response could not be produced.",
+            );
+        }
+    };
+    let stored = Stored::of(status, &parts.headers, &config.stored_headers, &body);
+    if let Err(e) = config
+        .client
+        .record_key_result(&config.biz_type, key, &stored)
+        .await
+    {
+        tracing::warn!(error = %e, "could not store the response; retries answer 409 until it is stored");
+    }
+    Response::from_parts(parts, full(body))
+}
+
+/// A response as the key's result.
+#[derive(Debug, Serialize, Deserialize)]
+struct Stored {
+    status: u16,
+    headers: Vec<(String, String)>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    body: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    body_base64: Option<String>,
+}
+
+impl Stored {
+    fn of(status: StatusCode, headers: &HeaderMap, keep: &[HeaderName], body: &[u8]) -> Stored {
+        let headers = keep
+            .iter()
+            .flat_map(|name| {
+                headers
+                    .get_all(name)
+                    .iter()
+                    .filter_map(|v| v.to_str().ok())
+                    .map(|v| (name.as_str().to_owned(), v.to_owned()))
+            })
+            .collect();
+        let mut stored = Stored {
+            status: status.as_u16(),
+            headers,
+            body: None,
+            body_base64: None,
+        };
+        match std::str::from_utf8(body) {
+            // Postgres cannot hold U+0000 in JSON text: such bodies go as base64.
+            Ok(text) if !text.contains('\0') => stored.body = Some(text.to_owned()),
+            _ => stored.body_base64 = Some(base64::engine::general_purpose::STANDARD.encode(body)),
+        }
+        let size = serde_json::to_vec(&stored).map_or(usize::MAX, |v| v.len());
+        if size > MAX_STORED {
+            stored.body = None;
+            stored.body_base64 = None;
+        }
+        stored
+    }
+}
+
+/// The stored response again, with `Idempotent-Replayed: true`.
+fn replay(result: serde_json::Value) -> Response<BoxBody> {
+    let stored: Stored = match serde_json::from_value(result) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "the key's result is not a stored response");
+            return problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Stored response unreadable",
+                "This Idempotency-Key was completed, but its response cannot be replayed.",
+            );
+        }
+    };
+    let body = match (stored.body, stored.body_base64) {
+        (Some(text), _) => Bytes::from(text),
+        (None, Some(b64)) => match base64::engine::general_purpose::STANDARD.decode(b64) {
+            Ok(bytes) => Bytes::from(bytes),
+            Err(_) => Bytes::new(),
+        },
+        (None, None) => Bytes::new(),
+    };
+    let mut resp = Response::new(full(body));
+    *resp.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+    for (name, value) in stored.headers {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(&value),
+        ) {
+            resp.headers_mut().append(name, value);
+        }
+    }
+    resp.headers_mut().insert(
+        HeaderName::from_static(REPLAYED),
+        HeaderValue::from_static("true"),
+    );
+    resp
+}
+
+/// Turns a panic while polling the handler into a value, so the key can be
+/// released before the panic goes on.
+struct CatchUnwind<F>(Pin<Box<F>>);
+
+impl<F: Future> Future for CatchUnwind<F> {
+    type Output = Result<F::Output, Panic>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let fut = self.get_mut().0.as_mut();
+        match std::panic::catch_unwind(AssertUnwindSafe(|| fut.poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(v)) => Poll::Ready(Ok(v)),
+            Err(panic) => Poll::Ready(Err(panic)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key_of(v: &str) -> Result<Option<String>, String> {
+        let mut h = HeaderMap::new();
+        h.insert(IDEMPOTENCY_KEY, HeaderValue::from_str(v).unwrap());
+        idempotency_key(&h)
+    }
+
+    #[test]
+    fn keys_are_read_quoted_or_bare_and_bad_ones_refused() {
+        assert_eq!(
+            key_of(r#""8e03978e-40d5""#),
+            Ok(Some("8e03978e-40d5".into()))
+        );
+        assert_eq!(key_of(r#""a\"b\\c""#), Ok(Some(r#"a"b\c"#.into())));
+        assert_eq!(key_of("  bare-key "), Ok(Some("bare-key".into())));
+        assert!(key_of(r#""open"#).is_err());
+        assert!(key_of(r#""a"b""#).is_err());
+        assert!(key_of(r#""""#).is_err());
+        assert!(key_of("tab\there").is_err());
+        assert_eq!(idempotency_key(&HeaderMap::new()), Ok(None));
+        let mut two = HeaderMap::new();
+        two.append(IDEMPOTENCY_KEY, HeaderValue::from_static("a"));
+        two.append(IDEMPOTENCY_KEY, HeaderValue::from_static("b"));
+        assert!(idempotency_key(&two).is_err());
+    }
+
+    #[test]
+    fn stored_responses_replay_status_kept_headers_and_body() {
+        let mut h = HeaderMap::new();
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        h.insert("set-cookie", HeaderValue::from_static("secret=1"));
+        let keep = [HeaderName::from_static("content-type")];
+        for body in [&b"{\"ok\":true}"[..], &[0xff, 0x00, 0x01][..]] {
+            let stored = Stored::of(StatusCode::CREATED, &h, &keep, body);
+            let resp = replay(serde_json::to_value(&stored).unwrap());
+            assert_eq!(resp.status(), StatusCode::CREATED);
+            assert_eq!(resp.headers()[CONTENT_TYPE], "application/json");
+            assert!(resp.headers().get("set-cookie").is_none());
+            assert_eq!(resp.headers()[REPLAYED], "true");
+        }
+        let big = vec![b'x'; MAX_STORED + 1];
+        let stored = Stored::of(StatusCode::OK, &h, &keep, &big);
+        assert!(stored.body.is_none() && stored.body_base64.is_none());
+    }
+}

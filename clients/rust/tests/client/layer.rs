@@ -1,0 +1,321 @@
+//! The `Idempotency-Key` layer in an axum app over a spawned ledger: every
+//! status of the draft, and one run under 20 concurrent identical requests.
+//! These need the server's `/v1/keys` routes; until they land they are
+//! ignored (the layer refuses every keyed request with a 500 without them).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use axum::routing::post;
+use axum::{Json, Router};
+use idempotency_ledger_client::{Client, IdempotencyLayer};
+use serde_json::{json, Value};
+use tokio::sync::Semaphore;
+
+use crate::helpers::*;
+
+/// A checkout app: `/pay` counts its runs and waits for a permit of `gate`
+/// (so a test can hold the first request open); `/flaky` answers 500 on its
+/// first run and 201 after; `/reject` answers 400.
+struct App {
+    url: String,
+    runs: Arc<AtomicUsize>,
+    gate: Arc<Semaphore>,
+}
+
+async fn serve_app(ledger: Client) -> App {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let gate = Arc::new(Semaphore::new(Semaphore::MAX_PERMITS));
+    let (r, g) = (runs.clone(), gate.clone());
+    let flaky_runs = Arc::new(AtomicUsize::new(0));
+    let app = Router::new()
+        .route(
+            "/pay",
+            post(move |Json(body): Json<Value>| {
+                let (runs, gate) = (r.clone(), g.clone());
+                async move {
+                    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                    let _permit = gate.acquire().await.expect("gate open");
+                    (
+                        StatusCode::CREATED,
+                        [("location", format!("/charges/{n}"))],
+                        Json(json!({"charge": n, "cart": body["cart"]})),
+                    )
+                }
+            }),
+        )
+        .route(
+            "/flaky",
+            post(move || {
+                let runs = flaky_runs.clone();
+                async move {
+                    if runs.fetch_add(1, Ordering::SeqCst) == 0 {
+                        (StatusCode::INTERNAL_SERVER_ERROR, "try again")
+                    } else {
+                        (StatusCode::CREATED, "done")
+                    }
+                }
+            }),
+        )
+        .route(
+            "/reject",
+            post(|| async {
+                (
+                    StatusCode::BAD_REQUEST,
+                    Json(json!({"error": "no such cart"})),
+                )
+            }),
+        )
+        .layer(IdempotencyLayer::new(ledger, DURABLE));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    App { url, runs, gate }
+}
+
+async fn send(
+    http: &reqwest::Client,
+    url: &str,
+    key: Option<&str>,
+    body: Value,
+) -> reqwest::Response {
+    let mut req = http.post(url).json(&body);
+    if let Some(key) = key {
+        req = req.header("Idempotency-Key", format!("\"{key}\""));
+    }
+    req.send().await.expect("request")
+}
+
+fn replayed(r: &reqwest::Response) -> bool {
+    r.headers()
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true")
+}
+
+fn is_problem(r: &reqwest::Response) -> bool {
+    r.headers()
+        .get("content-type")
+        .is_some_and(|v| v == "application/problem+json")
+}
+
+#[tokio::test]
+#[ignore = "needs the server's /v1/keys routes"]
+async fn a_keyed_request_runs_once_and_its_retry_gets_the_stored_response_replayed() {
+    let ledger = spawn_ledger().await;
+    let app = serve_app(ledger.client(PAYMENTS)).await;
+    let http = reqwest::Client::new();
+    let key = uuid::Uuid::new_v4().to_string();
+    let pay = format!("{}/pay", app.url);
+
+    let first = send(&http, &pay, Some(&key), json!({"cart": "c-1"})).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    assert!(!replayed(&first));
+    let location = first.headers()["location"].clone();
+    let body: Value = first.json().await.expect("json");
+
+    let retry = send(&http, &pay, Some(&key), json!({"cart": "c-1"})).await;
+    assert_eq!(retry.status(), StatusCode::CREATED, "the stored status");
+    assert!(replayed(&retry));
+    assert_eq!(retry.headers()["location"], location);
+    assert_eq!(retry.json::<Value>().await.expect("json"), body);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1, "the handler ran once");
+
+    // The same key with another payload: 422, and the handler does not run.
+    let other = send(&http, &pay, Some(&key), json!({"cart": "c-2"})).await;
+    assert_eq!(other.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(is_problem(&other));
+    let other_path = send(
+        &http,
+        &format!("{}/reject", app.url),
+        Some(&key),
+        json!({"cart": "c-1"}),
+    )
+    .await;
+    assert_eq!(other_path.status(), StatusCode::UNPROCESSABLE_ENTITY);
+
+    // No key where the layer requires one: 400 problem.
+    let missing = send(&http, &pay, None, json!({"cart": "c-1"})).await;
+    assert_eq!(missing.status(), StatusCode::BAD_REQUEST);
+    assert!(is_problem(&missing));
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+    ledger.stop().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the server's /v1/keys routes"]
+async fn a_retry_while_the_first_is_running_gets_409_with_retry_after() {
+    let ledger = spawn_ledger().await;
+    let app = serve_app(ledger.client(PAYMENTS)).await;
+    let http = reqwest::Client::new();
+    let key = uuid::Uuid::new_v4().to_string();
+    let pay = format!("{}/pay", app.url);
+    // Close the gate: the first request runs and waits inside the handler.
+    let held = app
+        .gate
+        .acquire_many(Semaphore::MAX_PERMITS as u32)
+        .await
+        .expect("close the gate");
+    let first = tokio::spawn({
+        let (http, pay, key) = (http.clone(), pay.clone(), key.clone());
+        async move { send(&http, &pay, Some(&key), json!({"cart": "c-1"})).await }
+    });
+    let runs = app.runs.clone();
+    eventually(10, || {
+        let runs = runs.clone();
+        async move { (runs.load(Ordering::SeqCst) == 1).then_some(()) }
+    })
+    .await;
+    let busy = send(&http, &pay, Some(&key), json!({"cart": "c-1"})).await;
+    assert_eq!(busy.status(), StatusCode::CONFLICT);
+    assert!(is_problem(&busy));
+    assert!(busy.headers().contains_key("retry-after"));
+    drop(held);
+    let first = first.await.expect("first request");
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let after = send(&http, &pay, Some(&key), json!({"cart": "c-1"})).await;
+    assert!(replayed(&after));
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+    ledger.stop().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the server's /v1/keys routes"]
+async fn twenty_concurrent_identical_requests_run_the_handler_once() {
+    let ledger = spawn_ledger().await;
+    let app = serve_app(ledger.client(PAYMENTS)).await;
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(32)
+        .build()
+        .expect("http");
+    let key = uuid::Uuid::new_v4().to_string();
+    let pay = format!("{}/pay", app.url);
+    let barrier = Arc::new(tokio::sync::Barrier::new(20));
+    let tasks: Vec<_> = (0..20)
+        .map(|_| {
+            let (http, pay, key, barrier) =
+                (http.clone(), pay.clone(), key.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let r = send(&http, &pay, Some(&key), json!({"cart": "c-1"})).await;
+                (r.status(), replayed(&r))
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.expect("task"));
+    }
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1, "one run: {answers:?}");
+    let originals = answers
+        .iter()
+        .filter(|(s, r)| *s == StatusCode::CREATED && !r)
+        .count();
+    assert_eq!(originals, 1, "{answers:?}");
+    assert!(
+        answers
+            .iter()
+            .all(|(s, r)| (*s == StatusCode::CREATED) || (*s == StatusCode::CONFLICT && !r)),
+        "every other answer is the replay or 409: {answers:?}"
+    );
+    ledger.stop().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the server's /v1/keys routes"]
+async fn a_5xx_releases_the_key_and_a_4xx_is_stored() {
+    let ledger = spawn_ledger().await;
+    let app = serve_app(ledger.client(PAYMENTS)).await;
+    let http = reqwest::Client::new();
+    let key = uuid::Uuid::new_v4().to_string();
+    let flaky = format!("{}/flaky", app.url);
+    let first = send(&http, &flaky, Some(&key), json!({})).await;
+    assert_eq!(first.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    // Released: the retry runs the handler again, and that answer is stored.
+    let second = send(&http, &flaky, Some(&key), json!({})).await;
+    assert_eq!(
+        (second.status(), replayed(&second)),
+        (StatusCode::CREATED, false)
+    );
+    let third = send(&http, &flaky, Some(&key), json!({})).await;
+    assert_eq!(
+        (third.status(), replayed(&third)),
+        (StatusCode::CREATED, true)
+    );
+
+    let key = uuid::Uuid::new_v4().to_string();
+    let reject = format!("{}/reject", app.url);
+    let first = send(&http, &reject, Some(&key), json!({})).await;
+    assert_eq!(
+        (first.status(), replayed(&first)),
+        (StatusCode::BAD_REQUEST, false)
+    );
+    let again = send(&http, &reject, Some(&key), json!({})).await;
+    assert_eq!(
+        (again.status(), replayed(&again)),
+        (StatusCode::BAD_REQUEST, true)
+    );
+    assert_eq!(
+        again.json::<Value>().await.expect("json"),
+        json!({"error": "no such cart"})
+    );
+    ledger.stop().await;
+}
+
+#[tokio::test]
+async fn without_a_reachable_ledger_keyed_requests_are_503_and_bad_keys_400() {
+    // No ledger listens here: none of these needs the server's keys routes.
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let nobody = format!("http://{}", closed.local_addr().expect("addr"));
+    drop(closed);
+    let nobody = Client::builder(&nobody, PAYMENTS)
+        .retry(quick_retries(2))
+        .build()
+        .expect("client");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let app = Router::new()
+        .route(
+            "/pay",
+            post(move || {
+                r.fetch_add(1, Ordering::SeqCst);
+                async { "ran" }
+            })
+            .get(|| async { "read" }),
+        )
+        .layer(IdempotencyLayer::new(nobody, DURABLE));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}/pay", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let http = reqwest::Client::new();
+    let get = http.get(&url).send().await.expect("get");
+    assert_eq!(get.text().await.expect("text"), "read");
+    let missing = send(&http, &url, None, json!({})).await;
+    assert_eq!(missing.status(), StatusCode::BAD_REQUEST);
+    assert!(is_problem(&missing));
+    let problem: Value = missing.json().await.expect("problem json");
+    assert_eq!(problem["status"], 400);
+    assert_eq!(problem["title"], "Idempotency-Key is missing");
+    let bad = http
+        .post(&url)
+        .header("Idempotency-Key", "\"unterminated")
+        .json(&json!({}))
+        .send()
+        .await
+        .expect("bad key");
+    assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
+    let long = send(&http, &url, Some(&"k".repeat(256)), json!({})).await;
+    assert_eq!(long.status(), StatusCode::BAD_REQUEST);
+    // A good key, but the ledger cannot decide: 503, and the handler never runs.
+    let down = send(&http, &url, Some("k-1"), json!({})).await;
+    assert_eq!(down.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(is_problem(&down));
+    assert!(down.headers().contains_key("retry-after"));
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
