@@ -32,7 +32,10 @@
 //! 5xx only when the handler did nothing that must not happen twice.
 //!
 //! The handler runs in its own task: a client that disconnects does not
-//! cancel it halfway, and its response is still stored for the retry.
+//! cancel it halfway, and its response is still stored for the retry. A
+//! process that dies while a handler runs leaves its key answering 409: once
+//! you know what happened, release it ([`Client::release_key`]) or record a
+//! response for it.
 //!
 //! # Keys are per caller of the ledger, not per user
 //! Keys belong to the API key the layer's [`Client`] uses. When your own
