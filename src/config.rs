@@ -104,6 +104,9 @@ struct RawPostgres {
     admin_pool_size: u32,
     acquire_timeout: String,
     statement_timeout: String,
+    idle_check_after: String,
+    idle_timeout: String,
+    max_lifetime: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -286,6 +289,13 @@ pub struct PostgresSettings {
     pub admin_pool_size: u32,
     pub acquire_timeout: Duration,
     pub statement_timeout: Duration,
+    /// A pooled connection idle at least this long is pinged before use
+    /// (one round trip); a busier one is used as it is.
+    pub idle_check_after: Duration,
+    /// The pool closes connections idle longer than this.
+    pub idle_timeout: Duration,
+    /// The pool closes connections older than this once they are returned.
+    pub max_lifetime: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -627,7 +637,19 @@ impl Raw {
                 "postgres.statement_timeout",
                 &self.postgres.statement_timeout,
             )?,
+            idle_check_after: parse_duration(
+                "postgres.idle_check_after",
+                &self.postgres.idle_check_after,
+            )?,
+            idle_timeout: parse_duration("postgres.idle_timeout", &self.postgres.idle_timeout)?,
+            max_lifetime: parse_duration("postgres.max_lifetime", &self.postgres.max_lifetime)?,
         };
+        if postgres.idle_timeout.is_zero() || postgres.max_lifetime.is_zero() {
+            return Err(invalid(
+                "postgres.idle_timeout",
+                "idle_timeout and max_lifetime must be longer than 0s",
+            ));
+        }
 
         let url = self.redis.url.filter(|u| !u.is_empty());
         let nodes = self.redis.cluster_nodes.filter(|n| !n.is_empty());

@@ -270,7 +270,9 @@ impl Orders {
         }
         let biz = token.verified().claims.biz_type.clone();
         let metrics = ledger.metrics();
-        let mut tx = self.pools.hot.begin().await.map_err(DurableError::from)?;
+        let mut tx = crate::durable::begin(&self.pools.hot)
+            .await
+            .map_err(DurableError::from)?;
         let locked: LockedOrder = match timed(
             metrics,
             "order_lock",

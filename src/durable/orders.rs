@@ -67,8 +67,9 @@ pub struct NewOrder<'a> {
 /// Inserts the order with its `order.created` event and audit row; `false`
 /// when the id is taken (nothing written).
 pub async fn create(pool: &PgPool, o: &NewOrder<'_>) -> Result<bool, DurableError> {
-    let row = sqlx::query(
-        r#"
+    let row = super::fetch_one(pool, || {
+        sqlx::query(
+            r#"
         WITH ins AS (
             INSERT INTO orders (order_id, client, subject, amount_minor, currency)
             VALUES ($1, $2, $3, $4, $5)
@@ -85,13 +86,13 @@ pub async fn create(pool: &PgPool, o: &NewOrder<'_>) -> Result<bool, DurableErro
         )
         SELECT count(*) AS n FROM ins
         "#,
-    )
-    .bind(o.order_id)
-    .bind(o.client)
-    .bind(o.subject)
-    .bind(o.amount_minor)
-    .bind(o.currency)
-    .fetch_one(pool)
+        )
+        .bind(o.order_id)
+        .bind(o.client)
+        .bind(o.subject)
+        .bind(o.amount_minor)
+        .bind(o.currency)
+    })
     .await?;
     Ok(row.try_get::<i64, _>("n")? == 1)
 }
@@ -101,7 +102,8 @@ pub async fn get(
     pool: &PgPool,
     order_id: &str,
 ) -> Result<Option<(OrderRow, Vec<OrderEventRecord>)>, DurableError> {
-    let row = sqlx::query(
+    let row = super::fetch_optional(pool, || {
+        sqlx::query(
         r#"
         SELECT o.order_id, o.client, o.subject, o.state, o.amount_minor, o.refunded_minor, o.currency,
                o.created_at, o.updated_at,
@@ -115,7 +117,7 @@ pub async fn get(
         "#,
     )
     .bind(order_id)
-    .fetch_optional(pool)
+    })
     .await?;
     let Some(r) = row else { return Ok(None) };
     let order = order_row(&r)?;

@@ -77,10 +77,7 @@ const SELECT_EXISTING: &str =
 
 /// Reads a token's state.
 pub async fn find(pool: &PgPool, id: i64) -> Result<Option<Existing>, DurableError> {
-    let row = sqlx::query(SELECT_EXISTING)
-        .bind(id)
-        .fetch_optional(pool)
-        .await?;
+    let row = super::fetch_optional(pool, || sqlx::query(SELECT_EXISTING).bind(id)).await?;
     Ok(row.as_ref().map(existing).transpose()?)
 }
 
@@ -106,7 +103,8 @@ pub async fn consume_versioned(
     fingerprint: Option<&str>,
     request_id: Option<&str>,
 ) -> Result<(ConsumeRow, i64), DurableError> {
-    let row = sqlx::query(
+    let row = super::fetch_optional(pool, || {
+        sqlx::query(
         r#"
         WITH claim AS (
             INSERT INTO tokens AS t (id, token, biz_type, durability, subject, client, issued_at,
@@ -146,7 +144,7 @@ pub async fn consume_versioned(
     .bind(rec.expires_at)
     .bind(fingerprint)
     .bind(request_id)
-    .fetch_optional(pool)
+    })
     .await?;
     match row {
         Some(r) if r.try_get::<bool, _>("won")? => Ok((
@@ -218,7 +216,8 @@ pub async fn set_result_versioned(
     id: i64,
     result: &Json,
 ) -> Result<ResultDecided, DurableError> {
-    let row = sqlx::query(
+    let row = super::fetch_optional(pool, || {
+        sqlx::query(
         r#"
         WITH upd AS (
             UPDATE tokens SET result = $2, result_at = now()
@@ -237,7 +236,7 @@ pub async fn set_result_versioned(
     )
     .bind(id)
     .bind(result)
-    .fetch_optional(pool)
+    })
     .await?;
     if let Some(r) = row {
         return Ok(ResultDecided::Recorded(existing(&r)?));
@@ -262,7 +261,8 @@ pub enum ReleaseRow {
 /// Returns a consumed token with no result and no order event to issued, at
 /// the next generation, with its audit row.
 pub async fn release(pool: &PgPool, id: i64) -> Result<ReleaseRow, DurableError> {
-    let row = sqlx::query(
+    let row = super::fetch_optional(pool, || {
+        sqlx::query(
         r#"
         WITH rel AS (
             UPDATE tokens
@@ -279,7 +279,7 @@ pub async fn release(pool: &PgPool, id: i64) -> Result<ReleaseRow, DurableError>
         "#,
     )
     .bind(id)
-    .fetch_optional(pool)
+    })
     .await?;
     if let Some(r) = row {
         return Ok(ReleaseRow::Released {

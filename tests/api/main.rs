@@ -9,6 +9,7 @@ mod docs_links;
 mod faults;
 mod fleet;
 mod helpers;
+mod idle_connections;
 mod issue;
 mod orders;
 mod orders_model;

@@ -1,0 +1,127 @@
+//! Pooled connections that the server closed while they sat idle: a Postgres
+//! session ended by `pg_terminate_backend`. The next requests, as many as
+//! there are connections, all succeed: none meets the broken connection as an
+//! error. (A Postgres restart behind idle connections is in `faults`.)
+
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+use crate::helpers::*;
+
+/// The service's sessions in this test's database that sit idle right now,
+/// once every one of them does (a connection going back to the pool is
+/// checked first, so it may be busy for a moment after its request).
+async fn idle_service_sessions(pg: &sqlx::PgPool, db: &str) -> Vec<i32> {
+    eventually(10, || async move {
+        let rows: Vec<(i32, Option<String>)> = sqlx::query_as(
+            "SELECT pid, state FROM pg_stat_activity
+              WHERE datname = $1 AND application_name = 'idempotency-ledger'",
+        )
+        .bind(db)
+        .fetch_all(pg)
+        .await
+        .ok()?;
+        rows.iter()
+            .all(|(_, state)| state.as_deref() == Some("idle"))
+            .then(|| rows.iter().map(|(pid, _)| *pid).collect())
+    })
+    .await
+}
+
+/// Ends every idle session of the service in this test's database (only
+/// this test's: the shared Postgres serves the other tests too); returns
+/// how many.
+async fn terminate_idle_sessions(pg: &sqlx::PgPool, db: &str) -> usize {
+    let pids = idle_service_sessions(pg, db).await;
+    for pid in &pids {
+        let _: (bool,) = sqlx::query_as("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .fetch_one(pg)
+            .await
+            .expect("pg_terminate_backend");
+    }
+    pids.len()
+}
+
+async fn consume_ok(app: &TestApp, token: &str, subject: &str, rid: &str) {
+    let (s, replayed, body) = answer(
+        app.consume(
+            PAYMENTS,
+            token,
+            &json!({"subject": subject, "request_id": rid}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(
+        (s, body["outcome"].as_str(), replayed),
+        (StatusCode::OK, Some("consumed"), false),
+        "{rid}: {body}"
+    );
+}
+
+/// Postgres ends every idle session of the service (what an operator, an
+/// idle-session reaper or a fast shutdown does); right after, as many durable
+/// consumes and order payments as the payment pool has connections all
+/// succeed. The idle ping is off here (`idle_check_after = "1h"`): what saves
+/// them is that a statement whose session Postgres had ended before it
+/// answered anything runs again on another connection, and so does a BEGIN.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_sessions_ended_while_idle_fail_no_request() {
+    const POOL: usize = 6;
+    let app = spawn_app_on(Stores::fresh().with(&format!(
+        "postgres.pool_size = {POOL}\npostgres.idle_check_after = \"1h\""
+    )))
+    .await;
+    let pg = app.pg().await;
+    let db = app.stores.db_name.clone();
+    let mut tokens = Vec::new();
+    for i in 0..2 * POOL {
+        tokens.push(app.issue(PAYMENTS, "order", &format!("s{i}")).await);
+    }
+    let mut pay_tokens = Vec::new();
+    for _ in 0..POOL {
+        pay_tokens.push(app.issue(PAYMENTS, "order", "buyer").await);
+    }
+    for i in 0..POOL {
+        let r = app
+            .post(
+                PAYMENTS,
+                "/v1/orders",
+                &json!({"order_id": format!("o-{i}"), "subject": "buyer", "amount_minor": 100, "currency": "CNY"}),
+            )
+            .await;
+        assert_eq!(r.status(), StatusCode::CREATED);
+    }
+    // Concurrent consumes open the pool's connections.
+    let warm = (0..POOL).map(|i| {
+        let (app, token) = (&app, &tokens[i]);
+        async move { consume_ok(app, token, &format!("s{i}"), &format!("warm-{i}")).await }
+    });
+    futures_util::future::join_all(warm).await;
+
+    let ended = terminate_idle_sessions(&pg, &db).await;
+    assert!(ended >= 2, "{ended} sessions ended");
+    for (i, token) in tokens.iter().enumerate().skip(POOL) {
+        consume_ok(&app, token, &format!("s{i}"), &format!("after-{i}")).await;
+    }
+
+    let ended = terminate_idle_sessions(&pg, &db).await;
+    assert!(ended >= 2, "{ended} sessions ended");
+    for (i, token) in pay_tokens.iter().enumerate() {
+        let (s, _, body): (StatusCode, bool, Value) = answer(
+            app.post(
+                PAYMENTS,
+                &format!("/v1/orders/o-{i}/pay"),
+                &json!({"token": token}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(
+            (s, body["outcome"].as_str()),
+            (StatusCode::OK, Some("applied")),
+            "pay o-{i}: {body}"
+        );
+    }
+}
