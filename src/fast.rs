@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
+use redis::{Cmd, IntoConnectionInfo, Pipeline, ProtocolVersion, RedisFuture, Script, Value};
 
 mod journal;
 mod scan;
@@ -69,6 +69,14 @@ impl ConnectionLike for Conn {
             Conn::Cluster(c) => c.get_db(),
         }
     }
+}
+
+/// One try of a call: how long it took, and its outcome (`None`: no answer
+/// within `redis.timeout`).
+struct Sent<T> {
+    op: &'static str,
+    took: Duration,
+    out: Option<Result<T, redis::RedisError>>,
 }
 
 /// What the consume script found or did.
@@ -226,11 +234,36 @@ impl FastTier {
         })
     }
 
+    /// Makes the connections. Both kinds speak RESP3, for one reason: a
+    /// RESP3 connection tells its owner when its socket closes (a
+    /// disconnection push), and the redis client then reconnects at once, in
+    /// the background. A connection that Redis closed while it was idle
+    /// (`CLIENT KILL`, a `timeout` reaper, a restart) is thus replaced before
+    /// the next call instead of failing it; the next call waits for the new
+    /// connection, bounded by `redis.timeout`.
+    ///
+    /// A call that failed after it was handed to a connection may have run:
+    /// its reply can be lost with the socket. Only the consume script is
+    /// sent again then (once, see [`FastTier::call_idempotent`]): it is
+    /// idempotent per attempt owner, so a second copy answers what the first
+    /// did (`consume.lua`). The others are not, and are never resent:
+    /// `fast_write.lua` sent again answers `same` or `not_releasable` for
+    /// what it just did, `settle.lua`'s `issued` would write over a consume
+    /// made in between, an `XADD` would journal a decision twice. Their
+    /// failure stays an error for the caller (503 where the outcome is
+    /// unknown). For the same reason the cluster client's own resend after a
+    /// dropped connection is switched off (`retries(0)`): it would resend
+    /// any of them.
     async fn connect(&self) -> Result<Vec<Conn>, redis::RedisError> {
         let timeout = self.settings.timeout;
         match &self.settings.topology {
             RedisTopology::Standalone(url) => {
-                let client = redis::Client::open(url.as_str())?;
+                let info = url.as_str().into_connection_info()?;
+                let resp3 = info
+                    .redis_settings()
+                    .clone()
+                    .set_protocol(ProtocolVersion::RESP3);
+                let client = redis::Client::open(info.set_redis_settings(resp3))?;
                 let config = ConnectionManagerConfig::new()
                     .set_response_timeout(Some(timeout))
                     .set_connection_timeout(Some(timeout.max(Duration::from_millis(500))))
@@ -247,9 +280,10 @@ impl FastTier {
             }
             RedisTopology::Cluster(nodes) => {
                 let client = redis::cluster::ClusterClientBuilder::new(nodes.clone())
+                    .use_protocol(ProtocolVersion::RESP3)
                     .response_timeout(timeout)
                     .connection_timeout(timeout.max(Duration::from_millis(500)))
-                    .retries(1)
+                    .retries(0)
                     .build()?;
                 let conn = client.get_async_connection().await?;
                 Ok(vec![Conn::Cluster(conn)])
@@ -332,6 +366,43 @@ impl FastTier {
         F: FnOnce(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
     {
+        let sent = self.send(op, f).await?;
+        self.judge(sent)
+    }
+
+    /// [`FastTier::call`] for a call that is idempotent per attempt: when the
+    /// connection dropped under it (the socket closed before its reply), it
+    /// is sent once more, on the next connection. Safe only because sending
+    /// it twice answers what sending it once would have, in either order
+    /// (see `consume.lua`); a timeout is never resent (the first may still
+    /// be on its way).
+    async fn call_idempotent<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T, FastError>
+    where
+        F: Fn(Conn) -> Fut,
+        Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
+    {
+        let sent = self.send(op, &f).await?;
+        match &sent.out {
+            Some(Err(e)) if e.is_connection_dropped() => {
+                self.metrics
+                    .fast_tier_total
+                    .with_label_values(&["error"])
+                    .inc();
+                tracing::debug!(error = %e, op, "redis connection dropped under the call: sent again");
+                let again = self.send(op, &f).await?;
+                self.judge(again)
+            }
+            _ => self.judge(sent),
+        }
+    }
+
+    /// One try: a connection (or [`FastError::Down`]), then the call under
+    /// `redis.timeout`.
+    async fn send<T, F, Fut>(&self, op: &'static str, f: F) -> Result<Sent<T>, FastError>
+    where
+        F: FnOnce(Conn) -> Fut,
+        Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
+    {
         let conn = match self.conn().await {
             Ok(c) => c,
             Err(e) => {
@@ -343,18 +414,27 @@ impl FastTier {
             }
         };
         let start = Instant::now();
-        let out = tokio::time::timeout(self.settings.timeout, f(conn)).await;
+        let out = tokio::time::timeout(self.settings.timeout, f(conn))
+            .await
+            .ok();
+        let took = start.elapsed();
         self.metrics
             .tier_duration
             .with_label_values(&["redis", op])
-            .observe(start.elapsed().as_secs_f64());
-        match out {
-            Ok(Ok(v)) => {
-                self.health.record(start.elapsed());
+            .observe(took.as_secs_f64());
+        Ok(Sent { op, took, out })
+    }
+
+    /// What one try's outcome means for the breaker, the latency window and
+    /// the caller.
+    fn judge<T>(&self, sent: Sent<T>) -> Result<T, FastError> {
+        match sent.out {
+            Some(Ok(v)) => {
+                self.health.record(sent.took);
                 self.health.healthy();
                 Ok(v)
             }
-            Ok(Err(e)) => {
+            Some(Err(e)) => {
                 self.metrics
                     .fast_tier_total
                     .with_label_values(&["error"])
@@ -365,13 +445,14 @@ impl FastTier {
                     return Err(FastError::Down);
                 }
                 if connection_failed(&e) {
+                    tracing::debug!(error = %e, op = sent.op, "redis call failed on its connection");
                     self.health.trip();
                 } else {
-                    self.health.record(start.elapsed());
+                    self.health.record(sent.took);
                 }
                 Err(e.into())
             }
-            Err(_) => {
+            None => {
                 self.health.record(self.settings.timeout);
                 self.health.trip();
                 self.metrics
@@ -442,14 +523,24 @@ impl FastTier {
         };
         let append = mode == ConsumeMode::Fast && self.journal_in_script() && !journal.is_empty();
         let consumed_ttl = self.consumed_ttl_ms();
+        // The script is idempotent per owner, so every attempt needs its own
+        // (a fast consume's caller may not name one).
+        let fresh_owner;
+        let owner = if attempt.owner.is_empty() {
+            fresh_owner = uuid::Uuid::new_v4().simple().to_string();
+            fresh_owner.as_str()
+        } else {
+            attempt.owner
+        };
+        let (key, journal_key) = (&key, &journal_key);
         let reply: Vec<String> = self
-            .call("consume", |mut c| async move {
+            .call_idempotent("consume", |mut c| async move {
                 let mut inv = script.key(key);
                 if append {
                     inv.key(journal_key);
                 }
                 inv.arg(mode_arg)
-                    .arg(attempt.owner)
+                    .arg(owner)
                     .arg(provisional_ms)
                     .arg(attempt.request_id.unwrap_or(""))
                     .arg(attempt.fingerprint.unwrap_or(""))
@@ -729,7 +820,7 @@ impl FastTier {
         if self.cluster {
             return None;
         }
-        let reply: Result<Vec<String>, _> = self
+        let reply: Result<Value, _> = self
             .call("config", |mut c| async move {
                 redis::cmd("CONFIG")
                     .arg("GET")
@@ -738,7 +829,18 @@ impl FastTier {
                     .await
             })
             .await;
-        reply.ok().and_then(|v| v.get(1).cloned())
+        // RESP3 answers a map, RESP2 a flat array: [name, value].
+        match reply.ok()? {
+            Value::Map(pairs) => pairs
+                .into_iter()
+                .next()
+                .and_then(|(_, v)| redis::from_redis_value(v).ok()),
+            Value::Array(items) => items
+                .into_iter()
+                .nth(1)
+                .and_then(|v| redis::from_redis_value(v).ok()),
+            _ => None,
+        }
     }
 }
 

@@ -16,8 +16,17 @@
 -- Hash fields: s state (i issued, p provisional, c consumed), g generation
 -- (bumped by every consume and release: odd while consumed; a key written
 -- before generations has none, and its state tells it: c 1, otherwise 0),
--- o owner, d provisional deadline (ms), at consumed/claimed at (ms), rid,
--- fp, res. A claim does not change the generation: it is not a state change.
+-- o owner (the attempt holding a provisional marker, or the one that won a
+-- fast consume), d provisional deadline (ms), at consumed/claimed at (ms),
+-- rid, fp, res. A claim does not change the generation: it is not a state
+-- change.
+--
+-- Idempotent per attempt owner: sent again by the same attempt (the service
+-- resends a consume whose connection dropped before its reply, see
+-- `FastTier::consume`), the script answers what it answered the first time
+-- and writes nothing more, whether or not that first one ran, and in either
+-- order: a fast win answers `won` again (the journal entry is not appended
+-- twice), a durable claim answers `claimed` again (while it is live).
 --
 -- Returns {kind, at, rid, fp, res, g, now}, g the key's generation (after a
 -- win, the one it decided; -1 for a missing key), now Redis's clock in ms:
@@ -32,8 +41,9 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local key = KEYS[1]
 local mode = ARGV[1]
-local h = redis.call('HMGET', key, 's', 'd', 'at', 'rid', 'fp', 'res', 'g')
+local h = redis.call('HMGET', key, 's', 'd', 'at', 'rid', 'fp', 'res', 'g', 'o')
 local s = h[1]
+local ours = ARGV[2] ~= '' and h[8] == ARGV[2]
 local g = tonumber(h[7])
 if not g then
   if s == 'c' then g = 1 elseif s then g = 0 else g = -1 end
@@ -43,9 +53,11 @@ local function reply(kind, at, rid, fp, res)
 end
 
 if s == 'c' then
+  if ours and mode == 'fast' then return reply('won', h[3]) end
   return reply('consumed', h[3], h[4], h[5], h[6])
 end
 if s == 'p' and tonumber(h[2] or '0') > now then
+  if ours and mode == 'durable' then return reply('claimed', h[3]) end
   return reply('provisional', h[3], h[4], h[5], '')
 end
 if mode == 'peek' then
@@ -57,8 +69,8 @@ if mode == 'fast' then
   -- The next consumed (odd) generation.
   g = g + 1
   if g % 2 == 0 then g = g + 1 end
-  redis.call('HSET', key, 's', 'c', 'g', g, 'at', now, 'rid', ARGV[4], 'fp', ARGV[5])
-  if s == 'p' then redis.call('HDEL', key, 'o', 'd') end
+  redis.call('HSET', key, 's', 'c', 'g', g, 'at', now, 'rid', ARGV[4], 'fp', ARGV[5], 'o', ARGV[2])
+  if s == 'p' then redis.call('HDEL', key, 'd') end
   redis.call('PEXPIRE', key, ARGV[6])
   if ARGV[7] == '1' then
     redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, unpack(ARGV, 8))

@@ -1,12 +1,14 @@
 //! Pooled connections that the server closed while they sat idle: a Postgres
-//! session ended by `pg_terminate_backend`. The next requests, as many as
-//! there are connections, all succeed: none meets the broken connection as an
-//! error. (A Postgres restart behind idle connections is in `faults`.)
+//! session ended by `pg_terminate_backend`, Redis connections ended by
+//! `CLIENT KILL`. The next requests, as many as there are connections, all
+//! succeed: none meets the broken connection as an error. (A Postgres
+//! restart behind idle connections is in `faults`.)
 
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 
 use crate::helpers::*;
+use crate::procs::*;
 
 /// The service's sessions in this test's database that sit idle right now,
 /// once every one of them does (a connection going back to the pool is
@@ -124,4 +126,96 @@ async fn postgres_sessions_ended_while_idle_fail_no_request() {
             "pay o-{i}: {body}"
         );
     }
+}
+
+/// Redis closes every connection of the service (`CLIENT KILL`, as a
+/// `timeout` reaper or an operator would) while they are idle; the next
+/// consumes of durable and fast tokens, twice as many as the service has
+/// connections, all succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_connections_killed_while_idle_fail_no_request() {
+    const CONNECTIONS: usize = 4;
+    let redis = RedisProc::start();
+    let app = spawn_app_on(Stores::fresh().redis(&redis.url()).with(&format!(
+        "redis.connections = {CONNECTIONS}\nbiz.like.ttl = \"60s\""
+    )))
+    .await;
+    let n = 2 * CONNECTIONS;
+    let mut tokens = Vec::new();
+    for round in 0..3 {
+        for i in 0..n {
+            let biz = if i % 2 == 0 { "like" } else { "order" };
+            tokens.push((round, i, app.issue(PAYMENTS, biz, "fan").await));
+        }
+    }
+    for (round, i, token) in &tokens {
+        if *round > 0 && *i == 0 {
+            let out = redis.cli(&["CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"]);
+            let killed: usize = out.trim().parse().expect("CLIENT KILL answers a count");
+            assert!(killed >= CONNECTIONS, "{killed} connections killed: {out}");
+        }
+        consume_ok(&app, token, "fan", &format!("r{round}-{i}")).await;
+    }
+}
+
+/// What makes resending a consume after a dropped connection safe: the script
+/// sent twice by one attempt answers the same both times and writes nothing
+/// more (a fast win is journaled once), while another attempt still hears
+/// that the token is taken.
+#[tokio::test]
+async fn the_consume_script_sent_twice_by_one_attempt_answers_the_same() {
+    use idempotency_ledger::fast::{Attempt, ConsumeMode, FastTier, ScriptOutcome};
+    use idempotency_ledger::metrics::Metrics;
+    let app = spawn_app().await;
+    // The tier alone, on the app's Redis and key prefix.
+    let fast = FastTier::new(
+        app.stores.settings().redis,
+        std::sync::Arc::new(Metrics::new()),
+    );
+    let attempt = |owner| Attempt {
+        owner,
+        request_id: Some("r1"),
+        fingerprint: None,
+    };
+    let journal = vec![("e", "{}".to_owned())];
+
+    let like = app.issue(PAYMENTS, "like", "fan").await;
+    let before = fast.journal_len().await.expect("xlen");
+    let first = fast
+        .consume(&like, ConsumeMode::Fast, &attempt("a1"), 1000, &journal)
+        .await
+        .expect("consume");
+    let again = fast
+        .consume(&like, ConsumeMode::Fast, &attempt("a1"), 1000, &journal)
+        .await
+        .expect("consume");
+    assert!(matches!(first, ScriptOutcome::Won { .. }), "{first:?}");
+    assert_eq!(first, again);
+    assert_eq!(fast.journal_len().await.expect("xlen"), before + 1);
+    let other = fast
+        .consume(&like, ConsumeMode::Fast, &attempt("a2"), 1000, &journal)
+        .await
+        .expect("consume");
+    assert!(matches!(other, ScriptOutcome::Consumed(_)), "{other:?}");
+    // An attempt without an owner of its own gets a fresh one: it never
+    // passes for another that had none either.
+    let unnamed = fast
+        .consume(&like, ConsumeMode::Fast, &attempt(""), 1000, &journal)
+        .await
+        .expect("consume");
+    assert!(matches!(unnamed, ScriptOutcome::Consumed(_)), "{unnamed:?}");
+
+    let order = app.issue(PAYMENTS, "order", "fan").await;
+    for _ in 0..2 {
+        let claimed = fast
+            .consume(&order, ConsumeMode::Durable, &attempt("d1"), 5000, &[])
+            .await
+            .expect("consume");
+        assert_eq!(claimed, ScriptOutcome::Claimed);
+    }
+    let other = fast
+        .consume(&order, ConsumeMode::Durable, &attempt("d2"), 5000, &[])
+        .await
+        .expect("consume");
+    assert!(matches!(other, ScriptOutcome::Provisional(_)), "{other:?}");
 }
