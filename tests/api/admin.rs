@@ -254,11 +254,15 @@ async fn audit_filters_limits_and_cursors() {
             .status(),
         StatusCode::OK
     );
-    let page = eventually(5, || async {
-        let (_, p) = get_json(&app, ADMIN, "/v1/admin/audit?subject=alice").await;
-        (p["events"].as_array().map(Vec::len) == Some(3)).then_some(p)
+    // Issuance records are written in batches after the answer: wait for
+    // all four events (bob's record may come in a later batch than alice's).
+    eventually(5, || async {
+        let (_, p) = get_json(&app, ADMIN, "/v1/admin/audit").await;
+        (p["events"].as_array().map(Vec::len) == Some(4)).then_some(())
     })
     .await;
+    let (_, page) = get_json(&app, ADMIN, "/v1/admin/audit?subject=alice").await;
+    assert_eq!(page["events"].as_array().map(Vec::len), Some(3), "{page}");
     assert!(page["next_cursor"].is_null());
     let e = &page["events"][0];
     assert_eq!(e["kind"], "token.consumed", "newest first");
