@@ -6,6 +6,7 @@ pub mod admin;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 
@@ -13,6 +14,7 @@ use crate::config::Settings;
 use crate::durable::setup;
 use crate::startup::{Application, BuildOptions};
 use crate::telemetry;
+use crate::token::SystemClock;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -78,6 +80,7 @@ pub fn run(cli: Cli) -> ExitCode {
                     BuildOptions {
                         migrate: !no_migrate,
                     },
+                    Arc::new(SystemClock),
                 )
                 .await?;
                 app.run_until_stopped().await?;

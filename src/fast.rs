@@ -23,6 +23,7 @@ pub use scan::{KeyRead, KeyState, ScanNode};
 use crate::config::{RedisSettings, RedisTopology};
 use crate::health::{Health, Mode};
 use crate::metrics::Metrics;
+use crate::token::Clock;
 
 #[derive(Debug, thiserror::Error)]
 pub enum FastError {
@@ -161,6 +162,8 @@ pub struct FastTier {
     /// The breaker, the latency window and the mode.
     health: Health,
     scripts: Scripts,
+    /// The service's clock (the breaker's backoff, fallbacks for replies).
+    clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
     cluster: bool,
     /// Cluster only: journal entries of decisions already made whose
@@ -176,10 +179,6 @@ impl std::fmt::Debug for FastTier {
             .field("mode", &self.health.mode())
             .finish()
     }
-}
-
-fn now_ms() -> i64 {
-    chrono::Utc::now().timestamp_millis()
 }
 
 /// Whether an error means the connection (not the command) failed: those
@@ -212,10 +211,15 @@ fn opt(s: &str) -> Option<String> {
 impl FastTier {
     /// Creates the tier without connecting: connections are made lazily, so
     /// the service starts while Redis is down.
-    pub fn new(settings: RedisSettings, metrics: Arc<Metrics>) -> Arc<FastTier> {
+    pub fn new(
+        settings: RedisSettings,
+        metrics: Arc<Metrics>,
+        clock: Arc<dyn Clock>,
+    ) -> Arc<FastTier> {
         let cluster = matches!(settings.topology, RedisTopology::Cluster(_));
         Arc::new(FastTier {
-            health: Health::new(&settings, metrics.clone()),
+            health: Health::new(&settings, metrics.clone(), clock.clone()),
+            clock,
             settings,
             conns: std::sync::RwLock::new(None),
             connecting: tokio::sync::Mutex::new(()),
@@ -554,7 +558,7 @@ impl FastTier {
                 inv.invoke_async(&mut c).await
             })
             .await?;
-        let (outcome, version) = parse_consume_reply(&reply)?;
+        let (outcome, version) = parse_consume_reply(&reply, self.clock.now_ms())?;
         let label = match outcome {
             ScriptOutcome::Miss => "miss",
             _ => "hit",
@@ -844,11 +848,15 @@ impl FastTier {
     }
 }
 
-fn parse_consume_reply(reply: &[String]) -> Result<(ScriptOutcome, KeyVersion), FastError> {
+/// `now_ms`: ours, for a reply that lacks Redis's (never from our scripts).
+fn parse_consume_reply(
+    reply: &[String],
+    now_ms: i64,
+) -> Result<(ScriptOutcome, KeyVersion), FastError> {
     let field = |i: usize| reply.get(i).map(String::as_str).unwrap_or("");
     let version = KeyVersion {
         gen: field(5).parse().unwrap_or(-1),
-        now_ms: field(6).parse().unwrap_or_else(|_| now_ms()),
+        now_ms: field(6).parse().unwrap_or(now_ms),
     };
     let marker = || Marker {
         at_ms: field(1).parse().unwrap_or(0),
@@ -858,7 +866,7 @@ fn parse_consume_reply(reply: &[String]) -> Result<(ScriptOutcome, KeyVersion), 
     };
     let outcome = match field(0) {
         "won" => ScriptOutcome::Won {
-            at_ms: field(1).parse().unwrap_or_else(|_| now_ms()),
+            at_ms: field(1).parse().unwrap_or(now_ms),
         },
         "claimed" => ScriptOutcome::Claimed,
         "consumed" => ScriptOutcome::Consumed(marker()),

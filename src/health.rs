@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::RedisSettings;
 use crate::metrics::Metrics;
+use crate::token::Clock;
 
 /// How the service treats Redis right now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,10 +59,11 @@ pub struct Health {
     slow: AtomicBool,
     /// The breaker is open (the last call or probe failed to connect).
     down: AtomicBool,
-    /// Unix ms until which calls are skipped without trying.
+    /// Ms (of `clock`) until which calls are skipped without trying.
     down_until_ms: AtomicI64,
     /// The mode last logged and exported (`Mode::code`).
     reported: AtomicU8,
+    clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
 }
 
@@ -81,12 +83,8 @@ fn export_mode(metrics: &Metrics, current: Mode) {
     }
 }
 
-fn now_ms() -> i64 {
-    chrono::Utc::now().timestamp_millis()
-}
-
 impl Health {
-    pub fn new(settings: &RedisSettings, metrics: Arc<Metrics>) -> Health {
+    pub fn new(settings: &RedisSettings, metrics: Arc<Metrics>, clock: Arc<dyn Clock>) -> Health {
         export_mode(&metrics, Mode::Normal);
         Health {
             threshold: settings.slow_threshold,
@@ -98,6 +96,7 @@ impl Health {
             down: AtomicBool::new(false),
             down_until_ms: AtomicI64::new(0),
             reported: AtomicU8::new(Mode::Normal.code()),
+            clock,
             metrics,
         }
     }
@@ -119,7 +118,7 @@ impl Health {
     /// Whether calls are skipped right now (the breaker is open and its
     /// backoff has not passed).
     pub fn skipping(&self) -> bool {
-        self.down_until_ms.load(Ordering::Relaxed) > now_ms()
+        self.down_until_ms.load(Ordering::Relaxed) > self.clock.now_ms()
     }
 
     /// Lets the next call through although the backoff has not passed (the
@@ -138,7 +137,7 @@ impl Health {
     pub fn trip(&self) {
         let backoff = i64::try_from(self.backoff.as_millis()).unwrap_or(1000);
         self.down_until_ms
-            .store(now_ms() + backoff, Ordering::Relaxed);
+            .store(self.clock.now_ms() + backoff, Ordering::Relaxed);
         self.down.store(true, Ordering::Relaxed);
         self.report();
     }
@@ -226,7 +225,11 @@ mod tests {
 
     fn health(extra: &str) -> Health {
         let s = Settings::from_toml_over_defaults(extra).expect("valid");
-        Health::new(&s.redis, Arc::new(Metrics::new()))
+        Health::new(
+            &s.redis,
+            Arc::new(Metrics::new()),
+            Arc::new(crate::token::SystemClock),
+        )
     }
 
     #[test]

@@ -48,7 +48,7 @@ use crate::durable::tokens::TokenState;
 use crate::durable::DurableError;
 use crate::fast::{FastError, FastTier, KeyRead, KeyState, Marker};
 use crate::journal::{DrainError, Drainer};
-use crate::token::{SnowflakeId, TokenCodec};
+use crate::token::{Clock, SnowflakeId, TokenCodec};
 
 pub use crate::durable::reconcile::LOCK_KEY;
 pub use report::{
@@ -87,13 +87,22 @@ pub struct Reconciler {
     codec: TokenCodec,
     retention: Duration,
     batch: usize,
+    /// Only for the report's start and finish times: Postgres `now()` and
+    /// Redis's clock judge expiry and deadlines.
+    clock: Arc<dyn Clock>,
 }
 
 impl Reconciler {
-    pub fn new(settings: &Settings, admin_pool: PgPool, fast: Arc<FastTier>) -> Reconciler {
+    pub fn new(
+        settings: &Settings,
+        admin_pool: PgPool,
+        fast: Arc<FastTier>,
+        clock: Arc<dyn Clock>,
+    ) -> Reconciler {
         Reconciler {
             pool: admin_pool,
             fast,
+            clock,
             codec: TokenCodec::new(settings.tokens.signing_keys.clone()),
             retention: settings.tokens.retention,
             batch: settings.reconcile.batch_size.max(1),
@@ -121,7 +130,7 @@ impl Reconciler {
         if !sql::try_lock(&mut lock_conn).await? {
             return Err(ReconcileError::Running);
         }
-        let started = Utc::now();
+        let started = self.clock.now();
         tracing::info!(dry_run = opts.dry_run, since = ?opts.since, "reconcile: started");
         let mut run = Run {
             r: self,
@@ -144,7 +153,7 @@ impl Reconciler {
         drop(lock_conn);
         let report = Report {
             started_at: crate::admin::time(started),
-            finished_at: crate::admin::time(Utc::now()),
+            finished_at: crate::admin::time(self.clock.now()),
             dry_run: opts.dry_run,
             scanned: run.scanned,
             found: run.found,

@@ -1,4 +1,4 @@
-//! Building and running the service: `Application::build(settings)` creates
+//! Building and running the service: `Application::build(settings, opts, clock)` creates
 //! the database when missing, migrates, checks, leases a worker id, binds
 //! (port 0 in tests) and starts the background tasks; `run_until_stopped`
 //! serves until SIGTERM/SIGINT, then drains requests and flushes buffers.
@@ -25,7 +25,7 @@ use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::orders::Orders;
 use crate::reconcile::Reconciler;
-use crate::token::{Clock, SystemClock};
+use crate::token::Clock;
 use crate::{bloom, writer};
 
 #[derive(Debug, Clone, Copy)]
@@ -52,7 +52,13 @@ pub struct Application {
 }
 
 impl Application {
-    pub async fn build(settings: Settings, opts: BuildOptions) -> anyhow::Result<Application> {
+    /// `clock`: the service's one source of "now" ([`crate::token::SystemClock`] in
+    /// production; tests may pass a [`crate::token::ManualClock`]).
+    pub async fn build(
+        settings: Settings,
+        opts: BuildOptions,
+        clock: Arc<dyn Clock>,
+    ) -> anyhow::Result<Application> {
         let settings = Arc::new(settings);
         if opts.migrate {
             setup::create_database_if_missing(&settings.postgres.url).await?;
@@ -62,7 +68,7 @@ impl Application {
         setup::check_durability(&pools).await?;
 
         let metrics = Arc::new(Metrics::new());
-        let fast = FastTier::new(settings.redis.clone(), metrics.clone());
+        let fast = FastTier::new(settings.redis.clone(), metrics.clone(), clock.clone());
         match fast.maxmemory_policy().await {
             Some(policy) if policy != "noeviction" => {
                 metrics.redis_eviction_unsafe.set(1);
@@ -75,7 +81,6 @@ impl Application {
             None => tracing::warn!("could not read redis maxmemory-policy (redis down or cluster)"),
         }
 
-        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let lease =
             WorkerLease::acquire(&pools.hot, settings.tokens.worker_lease_ttl, clock.clone())
                 .await
@@ -84,6 +89,7 @@ impl Application {
             settings.tokens.issue_buffer,
             pools.hot.clone(),
             metrics.clone(),
+            clock.clone(),
         );
         let ledger = Arc::new(Ledger::new(
             settings.clone(),
@@ -119,7 +125,7 @@ impl Application {
         )));
         tasks.push(tokio::spawn(bloom::maintain(
             ledger.bloom().clone(),
-            clock,
+            clock.clone(),
             shutdown.clone(),
         )));
         if tokio::time::timeout(Duration::from_secs(60), bloom_loaded)
@@ -138,7 +144,12 @@ impl Application {
             ledger: ledger.clone(),
             orders: Orders::new(ledger.clone(), pools.clone()),
             admin: Admin::new(&settings, pools.admin.clone()),
-            reconciler: Reconciler::new(&settings, pools.admin.clone(), fast.clone()),
+            reconciler: Reconciler::new(
+                &settings,
+                pools.admin.clone(),
+                fast.clone(),
+                clock.clone(),
+            ),
             clients: Clients::new(settings.clients.clone()),
             limits: settings.limits.clone(),
         });

@@ -7,13 +7,14 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::{DurationRound, Utc};
+use chrono::DurationRound;
 use sqlx::PgPool;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::durable::tokens::{self, TokenRecord};
 use crate::metrics::Metrics;
+use crate::token::Clock;
 
 /// How often counters reach Postgres (the stats endpoint promises 5 s).
 pub const STATS_FLUSH: Duration = Duration::from_secs(2);
@@ -53,16 +54,28 @@ pub struct WriterTask {
     rx: mpsc::Receiver<Job>,
     pool: PgPool,
     metrics: Arc<Metrics>,
+    /// Which stats minute a flush counts in.
+    clock: Arc<dyn Clock>,
 }
 
-pub fn writer(capacity: usize, pool: PgPool, metrics: Arc<Metrics>) -> (Writer, WriterTask) {
+pub fn writer(
+    capacity: usize,
+    pool: PgPool,
+    metrics: Arc<Metrics>,
+    clock: Arc<dyn Clock>,
+) -> (Writer, WriterTask) {
     let (tx, rx) = mpsc::channel(capacity);
     (
         Writer {
             tx,
             metrics: metrics.clone(),
         },
-        WriterTask { rx, pool, metrics },
+        WriterTask {
+            rx,
+            pool,
+            metrics,
+            clock,
+        },
     )
 }
 
@@ -147,9 +160,10 @@ impl WriterTask {
         if counts.is_empty() {
             return;
         }
-        let minute = Utc::now()
+        let now = self.clock.now();
+        let minute = now
             .duration_trunc(chrono::Duration::minutes(1))
-            .unwrap_or_else(|_| Utc::now());
+            .unwrap_or(now);
         if let Err(e) = tokens::flush_stats(&self.pool, minute, &counts).await {
             tracing::debug!(error = %e, "stats not flushed; keeping them for the next round");
             self.metrics.restore_stats(counts);

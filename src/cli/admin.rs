@@ -19,6 +19,7 @@ use crate::durable::Pools;
 use crate::fast::FastTier;
 use crate::metrics::Metrics;
 use crate::reconcile::{self, LogProgress, Phase, Progress, ReconcileError, Reconciler};
+use crate::token::{Clock, SystemClock};
 
 /// Exit code when another reconcile run holds the lock.
 pub const EXIT_RUNNING: u8 = 3;
@@ -114,7 +115,7 @@ fn kind_parser() -> impl clap::builder::TypedValueParser<Value = AuditKind> {
 }
 
 fn parse_time(s: &str) -> Result<DateTime<Utc>, String> {
-    admin::parse_time_arg(s, Utc::now())
+    admin::parse_time_arg(s, SystemClock.now())
 }
 
 fn stdout_is_terminal() -> bool {
@@ -183,8 +184,13 @@ pub async fn reconcile(settings: &Settings, args: ReconcileArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let fast = FastTier::new(settings.redis.clone(), Arc::new(Metrics::new()));
-    let reconciler = Reconciler::new(settings, pools.admin.clone(), fast);
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let fast = FastTier::new(
+        settings.redis.clone(),
+        Arc::new(Metrics::new()),
+        clock.clone(),
+    );
+    let reconciler = Reconciler::new(settings, pools.admin.clone(), fast, clock);
     let progress: Box<dyn Progress> = if std::io::stderr().is_terminal() {
         Box::new(Bar {
             current: Mutex::new(None),

@@ -149,7 +149,9 @@ impl Ledger {
         };
         match reply {
             Ok(ScriptOutcome::Consumed(m)) => {
-                if let Some(answer) = classify(&Prior::from_marker(&m), input, false)? {
+                if let Some(answer) =
+                    classify(&Prior::from_marker(&m), input, false, self.clock.now())?
+                {
                     return Ok(answer);
                 }
             }
@@ -157,7 +159,9 @@ impl Ledger {
             // go to Postgres, which decides which copy answers first (the
             // others replay it); see `classify` for the rest.
             Ok(ScriptOutcome::Provisional(m)) => {
-                if let Some(answer) = classify(&Prior::from_marker(&m), input, true)? {
+                if let Some(answer) =
+                    classify(&Prior::from_marker(&m), input, true, self.clock.now())?
+                {
                     return Ok(answer);
                 }
             }
@@ -179,7 +183,7 @@ impl Ledger {
             }
         };
         self.settle_row(token, &row, claimed.then_some(owner.clone()), &attempt);
-        answer_from_row(&row, input)
+        answer_from_row(&row, input, self.clock.now())
     }
 
     async fn consume_fast(
@@ -207,17 +211,21 @@ impl Ledger {
         {
             Ok(ScriptOutcome::Won { at_ms }) => {
                 return Ok(ConsumeAnswer::Consumed {
-                    consumed_at: ms_to_time(at_ms).unwrap_or_else(Utc::now),
+                    consumed_at: ms_to_time(at_ms).unwrap_or_else(|| self.clock.now()),
                     replayed: false,
                 })
             }
             Ok(ScriptOutcome::Consumed(m)) => {
-                if let Some(answer) = classify(&Prior::from_marker(&m), input, false)? {
+                if let Some(answer) =
+                    classify(&Prior::from_marker(&m), input, false, self.clock.now())?
+                {
                     return Ok(answer);
                 }
             }
             Ok(ScriptOutcome::Provisional(m)) => {
-                if let Some(answer) = classify(&Prior::from_marker(&m), input, true)? {
+                if let Some(answer) =
+                    classify(&Prior::from_marker(&m), input, true, self.clock.now())?
+                {
                     return Ok(answer);
                 }
             }
@@ -252,7 +260,7 @@ impl Ledger {
             .await
             .map_err(LedgerError::postgres)?;
         self.settle_row(token, &row, None, &attempt);
-        answer_from_row(&row, input)
+        answer_from_row(&row, input, self.clock.now())
     }
 
     /// A fast token past its expiry on our clock: never consumed behind
@@ -271,7 +279,7 @@ impl Ledger {
         .map_err(LedgerError::postgres)?;
         match found {
             Some(e) if e.state == TokenState::Consumed => {
-                answer_from_row(&ConsumeRow::Existing(e), input)
+                answer_from_row(&ConsumeRow::Existing(e), input, self.clock.now())
             }
             _ => Err(LedgerError::TokenExpired),
         }
@@ -358,10 +366,12 @@ fn same_request(prior: &Prior, input: &ConsumeInput) -> bool {
 
 /// Decides the answer to an attempt that found an earlier consume.
 /// `None`: it cannot be decided from this prior (the same request in flight).
+/// `now` stands in for a consume time the prior lacks.
 pub(super) fn classify(
     prior: &Prior,
     input: &ConsumeInput,
     in_flight: bool,
+    now: DateTime<Utc>,
 ) -> Result<Option<ConsumeAnswer>, LedgerError> {
     // A provisional marker belongs to an attempt whose outcome is not known
     // yet (it may fail, or it may itself be a duplicate that found the token
@@ -378,7 +388,7 @@ pub(super) fn classify(
     }
     if same_request(prior, input) {
         return Ok(Some(ConsumeAnswer::Consumed {
-            consumed_at: prior.consumed_at.unwrap_or_else(Utc::now),
+            consumed_at: prior.consumed_at.unwrap_or(now),
             replayed: true,
         }));
     }
@@ -401,6 +411,7 @@ pub(super) fn classify(
 pub(super) fn answer_from_row(
     row: &ConsumeRow,
     input: &ConsumeInput,
+    now: DateTime<Utc>,
 ) -> Result<ConsumeAnswer, LedgerError> {
     match row {
         ConsumeRow::Won { consumed_at } => Ok(ConsumeAnswer::Consumed {
@@ -408,7 +419,7 @@ pub(super) fn answer_from_row(
             replayed: false,
         }),
         ConsumeRow::Existing(e) if e.state == TokenState::Consumed => {
-            classify(&Prior::from_row(e), input, false).map(|a| {
+            classify(&Prior::from_row(e), input, false, now).map(|a| {
                 a.unwrap_or(ConsumeAnswer::Duplicate {
                     status: DuplicateStatus::Processing,
                     consumed_at: e.consumed_at,

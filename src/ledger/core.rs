@@ -239,8 +239,8 @@ impl Ledger {
             durability,
             subject: subject.as_str().to_owned(),
             client: caller.name.clone(),
-            issued_at: ms_to_time(c.issued_at_ms()).unwrap_or_else(Utc::now),
-            expires_at: ms_to_time(c.expires_at_ms()).unwrap_or_else(Utc::now),
+            issued_at: ms_to_time(c.issued_at_ms()).unwrap_or_else(|| self.clock.now()),
+            expires_at: ms_to_time(c.expires_at_ms()).unwrap_or_else(|| self.clock.now()),
         }
     }
 

@@ -7,7 +7,6 @@ use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use chrono::Utc;
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 
 use super::consume::{answer_from_row, classify, Prior};
@@ -92,7 +91,8 @@ impl Ledger {
     ) -> Result<ConsumeAnswer, LedgerError> {
         self.metrics.redis_bypass.with_label_values(&["down"]).inc();
         if let Some(m) = self.fallback.consumed.get(&record.id) {
-            if let Some(answer) = classify(&Prior::from_marker(&m), input, false)? {
+            if let Some(answer) = classify(&Prior::from_marker(&m), input, false, self.clock.now())?
+            {
                 return Ok(answer);
             }
         }
@@ -120,7 +120,7 @@ impl Ledger {
                     self.fallback.consumed.insert(record.id, m);
                 }
                 self.settle_row(token, &row, None, attempt);
-                answer_from_row(&row, input)
+                answer_from_row(&row, input, self.clock.now())
             }
             Err(e) if e.is_unavailable() => {
                 tracing::debug!(error = %e, "redis and postgres down: this instance decides");
@@ -151,13 +151,13 @@ impl Ledger {
             .or_insert_with(|| marker.clone());
         if !entry.is_fresh() {
             let prior = Prior::from_marker(entry.value());
-            return Ok(
-                classify(&prior, input, false)?.unwrap_or(ConsumeAnswer::Duplicate {
+            return Ok(classify(&prior, input, false, self.clock.now())?.unwrap_or(
+                ConsumeAnswer::Duplicate {
                     status: DuplicateStatus::Processing,
                     consumed_at: prior.consumed_at,
                     result: None,
-                }),
-            );
+                },
+            ));
         }
         let mut journal = journal::consume_fields(record, attempt.request_id, attempt.fingerprint);
         journal.push(("at", marker.at_ms.to_string()));
@@ -179,7 +179,7 @@ impl Ledger {
             .with_label_values(&["memory"])
             .inc();
         Ok(ConsumeAnswer::Consumed {
-            consumed_at: ms_to_time(marker.at_ms).unwrap_or_else(Utc::now),
+            consumed_at: ms_to_time(marker.at_ms).unwrap_or_else(|| self.clock.now()),
             replayed: false,
         })
     }

@@ -5,7 +5,6 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use chrono::Utc;
 use governor::clock::{Clock as _, DefaultClock};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 
@@ -123,7 +122,7 @@ impl Ledger {
             exp: u32::try_from(exp_secs).map_err(|_| anyhow::anyhow!("expiry beyond 2106"))?,
         };
         let token = self.codec.sign(&claims, &caller.name, subject.as_str());
-        let expires_at = ms_to_time(claims.expires_at_ms()).unwrap_or_else(Utc::now);
+        let expires_at = ms_to_time(claims.expires_at_ms()).unwrap_or_else(|| self.clock.now());
         let record = TokenRecord {
             id: id.as_i64(),
             token: token.clone(),
@@ -131,7 +130,7 @@ impl Ledger {
             durability: settings.durability,
             subject: subject.as_str().to_owned(),
             client: caller.name.clone(),
-            issued_at: ms_to_time(id.timestamp_ms()).unwrap_or_else(Utc::now),
+            issued_at: ms_to_time(id.timestamp_ms()).unwrap_or_else(|| self.clock.now()),
             expires_at,
         };
         // The issuance record (batched to Postgres) first: it is the audit

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use idempotency_ledger::config::Settings;
 use idempotency_ledger::ledger::Ledger;
 use idempotency_ledger::startup::{Application, BuildOptions};
-use idempotency_ledger::token::{Claims, SnowflakeId, TokenCodec};
+use idempotency_ledger::token::{Claims, Clock, SnowflakeId, SystemClock, TokenCodec};
 use reqwest::{Response, StatusCode};
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
@@ -114,7 +114,15 @@ pub async fn spawn_app() -> TestApp {
 }
 
 pub async fn spawn_app_on(stores: Stores) -> TestApp {
-    let app = Application::build(stores.settings(), BuildOptions { migrate: true })
+    spawn_app_with_clock(stores, Arc::new(SystemClock)).await
+}
+
+/// The service on `stores` with its own notion of time: a test that waits
+/// for the service's time to pass (token expiry, say) drives a
+/// [`ManualClock`] instead of sleeping. Postgres `now()` and Redis's clock
+/// still run in real time.
+pub async fn spawn_app_with_clock(stores: Stores, clock: Arc<dyn Clock>) -> TestApp {
+    let app = Application::build(stores.settings(), BuildOptions { migrate: true }, clock)
         .await
         .expect("the app builds");
     let address = format!("http://127.0.0.1:{}", app.port());

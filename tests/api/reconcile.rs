@@ -12,6 +12,7 @@ use idempotency_ledger::metrics::Metrics;
 use idempotency_ledger::reconcile::{
     Class, Classes, Options, Phase, Progress, Quiet, ReconcileError, Reconciler, Report,
 };
+use idempotency_ledger::token::{Clock, SystemClock};
 use redis::AsyncCommands;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
@@ -24,8 +25,16 @@ use crate::helpers::*;
 fn reconciler(stores: &Stores) -> (Reconciler, Pools) {
     let settings = stores.settings();
     let pools = Pools::new(&settings.postgres).expect("pools");
-    let fast = FastTier::new(settings.redis.clone(), Arc::new(Metrics::new()));
-    (Reconciler::new(&settings, pools.admin.clone(), fast), pools)
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let fast = FastTier::new(
+        settings.redis.clone(),
+        Arc::new(Metrics::new()),
+        clock.clone(),
+    );
+    (
+        Reconciler::new(&settings, pools.admin.clone(), fast, clock),
+        pools,
+    )
 }
 
 async fn run(stores: &Stores, dry_run: bool) -> Report {

@@ -226,6 +226,7 @@ async fn release_returns_the_token_for_a_retry() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn release_racing_duplicates_never_leaves_a_false_duplicate() {
     let app = std::sync::Arc::new(spawn_app().await);
+    let redis = app.redis().await;
     for round in 0..30 {
         let token = app.issue(PAYMENTS, "order", "u").await;
         let (_, _, b) = answer(
@@ -264,8 +265,10 @@ async fn release_racing_duplicates_never_leaves_a_false_duplicate() {
             consumed_by_racers += usize::from(r.await.unwrap());
         }
         assert!(consumed_by_racers <= 1, "round {round}");
-        // Let background Redis writes land, then ask again.
-        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+        // Wait for the release's background write to Redis (`issued`) to
+        // land, then ask again. A racer that won in Postgres never writes its
+        // consumed marker over it (the next consume goes on to Postgres).
+        wait_redis_state(&redis, &app.token_key(&token), "i", 5).await;
         let (_, _, b) = answer(
             app.consume(
                 PAYMENTS,

@@ -693,6 +693,9 @@ async fn issue_rate_state_of_idle_subjects_is_forgotten() {
             .await;
     }
     // 100/s refills one token per 10 ms: every bucket is full after 20 ms.
+    // The buckets run on a monotonic clock of their own (a wall-clock step
+    // must never change a rate), not the service's Clock: this waits real
+    // time.
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     assert_eq!(app.ledger.prune_rate_limiters(), 0);
     // A pair that is still draining its bucket is kept (100 at once empty a

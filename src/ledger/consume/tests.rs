@@ -17,6 +17,11 @@ fn at(ms: i64) -> DateTime<Utc> {
 
 const WON_AT: i64 = 1_790_000_000_000;
 
+/// The ledger's clock, later than any consume here.
+fn now() -> DateTime<Utc> {
+    at(WON_AT + 5_000)
+}
+
 fn input(request_id: Option<&str>, fingerprint: Option<&str>) -> ConsumeInput {
     ConsumeInput {
         subject: Subject::parse("u").expect("subject"),
@@ -67,7 +72,7 @@ fn first_use_is_consumed() {
     };
     for i in [input(None, None), input(Some("r1"), Some("f1"))] {
         assert_eq!(
-            answer_from_row(&row, &i).unwrap(),
+            answer_from_row(&row, &i, now()).unwrap(),
             ConsumeAnswer::Consumed {
                 consumed_at: at(WON_AT),
                 replayed: false
@@ -86,22 +91,22 @@ fn the_winners_request_id_replays_consumed() {
     };
     let row = ConsumeRow::Existing(consumed_row(None));
     assert_eq!(
-        answer_from_row(&row, &input(Some("r1"), None)).unwrap(),
+        answer_from_row(&row, &input(Some("r1"), None), now()).unwrap(),
         replay
     );
     assert_eq!(
-        answer_from_row(&row, &input(Some("r1"), Some("f1"))).unwrap(),
+        answer_from_row(&row, &input(Some("r1"), Some("f1")), now()).unwrap(),
         replay
     );
     // Also once a result is recorded, and from Redis's marker.
     let row = ConsumeRow::Existing(consumed_row(Some(json!({"ok": 1}))));
     assert_eq!(
-        answer_from_row(&row, &input(Some("r1"), None)).unwrap(),
+        answer_from_row(&row, &input(Some("r1"), None), now()).unwrap(),
         replay
     );
     let prior = Prior::from_marker(&consumed_marker(None));
     assert_eq!(
-        classify(&prior, &input(Some("r1"), None), false).unwrap(),
+        classify(&prior, &input(Some("r1"), None), false, now()).unwrap(),
         Some(replay)
     );
 }
@@ -119,7 +124,7 @@ fn another_attempt_is_a_duplicate_processing_without_a_result() {
         input(Some("r2"), Some("f1")),
     ] {
         assert_eq!(
-            answer_from_row(&row, &i).unwrap(),
+            answer_from_row(&row, &i, now()).unwrap(),
             duplicate(DuplicateStatus::Processing, None),
             "{i:?}"
         );
@@ -131,13 +136,13 @@ fn another_attempt_is_a_duplicate_completed_with_the_result() {
     let result = json!({"order": "o-1", "paid": true});
     let row = ConsumeRow::Existing(consumed_row(Some(result.clone())));
     assert_eq!(
-        answer_from_row(&row, &input(Some("r2"), None)).unwrap(),
+        answer_from_row(&row, &input(Some("r2"), None), now()).unwrap(),
         duplicate(DuplicateStatus::Completed, Some(result.clone()))
     );
     let text = result.to_string();
     let prior = Prior::from_marker(&consumed_marker(Some(&text)));
     assert_eq!(
-        classify(&prior, &input(None, None), false).unwrap(),
+        classify(&prior, &input(None, None), false, now()).unwrap(),
         Some(duplicate(DuplicateStatus::Completed, Some(result)))
     );
 }
@@ -150,7 +155,7 @@ fn another_fingerprint_is_refused_even_with_the_winners_request_id() {
     for i in [input(None, Some("f2")), input(Some("r1"), Some("f2"))] {
         assert!(
             matches!(
-                answer_from_row(&row, &i),
+                answer_from_row(&row, &i, now()),
                 Err(LedgerError::FingerprintMismatch)
             ),
             "{i:?}"
@@ -162,7 +167,8 @@ fn another_fingerprint_is_refused_even_with_the_winners_request_id() {
     assert_eq!(
         answer_from_row(
             &ConsumeRow::Existing(unfingerprinted),
-            &input(None, Some("f2"))
+            &input(None, Some("f2")),
+            now()
         )
         .unwrap(),
         duplicate(DuplicateStatus::Processing, None)
@@ -178,7 +184,7 @@ fn never_consumed_and_expired_is_token_expired() {
     issued.consumed_at = None;
     for row in [ConsumeRow::Existing(issued), ConsumeRow::Expired] {
         assert!(matches!(
-            answer_from_row(&row, &input(Some("r1"), None)),
+            answer_from_row(&row, &input(Some("r1"), None), now()),
             Err(LedgerError::TokenExpired)
         ));
     }
@@ -196,7 +202,7 @@ fn an_attempt_in_flight_answers_only_plain_duplicates() {
     });
     // A plain duplicate is answered at once: processing, no result.
     assert_eq!(
-        classify(&provisional, &input(None, None), true).unwrap(),
+        classify(&provisional, &input(None, None), true, now()).unwrap(),
         Some(duplicate(DuplicateStatus::Processing, None))
     );
     // Anything that needs the winner's identity (request id, fingerprint)
@@ -206,6 +212,10 @@ fn an_attempt_in_flight_answers_only_plain_duplicates() {
         input(Some("r2"), None),
         input(None, Some("f2")),
     ] {
-        assert_eq!(classify(&provisional, &i, true).unwrap(), None, "{i:?}");
+        assert_eq!(
+            classify(&provisional, &i, true, now()).unwrap(),
+            None,
+            "{i:?}"
+        );
     }
 }
