@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use idempotency_ledger::config::Settings;
 use idempotency_ledger::startup::{Application, BuildOptions};
+use idempotency_ledger::token::SystemClock;
 use idempotency_ledger_client::{Client, RetryPolicy};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -47,9 +48,13 @@ tokens.provisional_ttl = "1s"
 "#
     );
     let settings = Settings::from_toml_over_defaults(&toml).expect("test settings are valid");
-    let app = Application::build(settings, BuildOptions { migrate: true })
-        .await
-        .expect("the ledger builds");
+    let app = Application::build(
+        settings,
+        BuildOptions { migrate: true },
+        Arc::new(SystemClock),
+    )
+    .await
+    .expect("the ledger builds");
     let url = format!("http://127.0.0.1:{}", app.port());
     let handle = app.handle();
     let join = tokio::spawn(app.run_until_stopped());
