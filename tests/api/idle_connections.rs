@@ -171,6 +171,7 @@ async fn the_consume_script_sent_twice_by_one_attempt_answers_the_same() {
     let fast = FastTier::new(
         app.stores.settings().redis,
         std::sync::Arc::new(Metrics::new()),
+        std::sync::Arc::new(idempotency_ledger::token::SystemClock),
     );
     let attempt = |owner| Attempt {
         owner,
