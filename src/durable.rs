@@ -3,7 +3,8 @@
 //! versioned apply, [`lease`] for snowflake worker ids,
 //! [`setup`] for database creation, migrations and start-up checks,
 //! [`admin`] for audit queries and stats, [`reconcile`] for reconciliation,
-//! [`bloom`] for the issued-token filter's channel and load).
+//! [`bloom`] for the issued-token filter's channel and load, [`usage`] for
+//! the pools' use as metrics).
 //! Every hot statement touches one token or one order key.
 
 pub mod admin;
@@ -14,6 +15,7 @@ pub mod orders;
 pub mod reconcile;
 pub mod setup;
 pub mod tokens;
+pub mod usage;
 
 use std::future::Future;
 use std::pin::Pin;

@@ -90,8 +90,9 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .default_service(web::to(not_found));
 }
 
-/// Request id, a tracing span per request, and the latency histogram by
-/// route pattern (never by raw path, which holds tokens). The pattern is read
+/// Request id, a tracing span per request, the latency histogram and the
+/// answer counter by route pattern (never by raw path, which holds tokens and
+/// would make the label set unbounded). The pattern is read
 /// after routing, from the resource the router matched: asking before would
 /// match the path against every route a second time.
 pub async fn observe(
@@ -122,16 +123,20 @@ pub async fn observe(
         .and_then(|r| r.request().match_pattern())
         .unwrap_or_else(|| "unmatched".to_owned());
     span.record("route", endpoint.as_str());
+    // An error a middleware returned still becomes an answer: its status.
+    let status = match &res {
+        Ok(r) => r.status().as_u16(),
+        Err(e) => e.as_response_error().status_code().as_u16(),
+    };
     if let Some(state) = state {
-        state
-            .ledger
-            .metrics()
+        let metrics = state.ledger.metrics();
+        metrics
             .request_duration
             .with_label_values(&[endpoint.as_str()])
             .observe(elapsed.as_secs_f64());
+        metrics.http_request(&endpoint, &method, status);
     }
     let mut res = res?;
-    let status = res.status().as_u16();
     let client = res
         .request()
         .extensions()

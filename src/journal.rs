@@ -31,10 +31,12 @@ use crate::durable::DurableError;
 use crate::fast::{FastError, FastTier, JournalEntry, ReadFrom};
 use entry::{parse, Entry};
 
+use crate::metrics::OnScrape;
 pub use entry::{
     consume_fields, release_fields, release_fields_for, result_fields, result_fields_for, AT,
     CONSUMED_AT, ENTRY, FINGERPRINT, GEN, REQUEST_ID,
 };
+use prometheus::IntGauge;
 
 const BATCH: usize = 500;
 const CLAIM_IDLE_MS: u64 = 30_000;
@@ -141,6 +143,40 @@ async fn apply(pool: &PgPool, entries: &[JournalEntry]) -> Result<DeadLetters, D
     apply_or_isolate(&run, &mut dead, consumes).await?;
     apply_or_isolate(&current, &mut dead, versioned).await?;
     Ok(dead)
+}
+
+/// How often a scrape may have the journal's length read again.
+pub const LAG_REFRESH: Duration = Duration::from_secs(5);
+
+/// `ledger_journal_lag_entries`: fast-type journal entries not yet in
+/// Postgres, read when scraped (see [`OnScrape`]).
+pub fn lag_metric(fast: Arc<FastTier>) -> OnScrape {
+    // A static, valid definition.
+    let gauge = IntGauge::new(
+        "ledger_journal_lag_entries",
+        "Fast-type journal entries not yet in Postgres: the Redis stream's length plus the entries waiting in this instance to be appended (read at most every 5 s, when scraped).",
+    )
+    .expect("valid metric");
+    let g = gauge.clone();
+    OnScrape::new(
+        vec![Box::new(gauge)],
+        LAG_REFRESH,
+        Arc::new(move || {
+            let fast = fast.clone();
+            let g = g.clone();
+            Box::pin(async move { refresh_lag(&fast, &g).await })
+        }),
+    )
+}
+
+/// The stream's length (entries are deleted once Postgres has them) plus this
+/// instance's backlog of entries not yet appended. While Redis is unreachable
+/// the gauge keeps its last value.
+pub async fn refresh_lag(fast: &FastTier, gauge: &IntGauge) {
+    if let Ok(n) = fast.journal_len().await {
+        let backlog = u64::try_from(fast.journal_backlog_len()).unwrap_or(u64::MAX);
+        gauge.set(i64::try_from(n.saturating_add(backlog)).unwrap_or(i64::MAX));
+    }
 }
 
 /// Why a round did not finish; its entries stay pending and come first next

@@ -1,12 +1,18 @@
 //! Prometheus metrics, and the per-biz-type counters that every instance
-//! flushes to Postgres for the fleet-wide `/v1/admin/stats`.
+//! flushes to Postgres for the fleet-wide `/v1/admin/stats`. Gauges that need
+//! a query to know ([`OnScrape`]: journal lag, the last reconcile run) are
+//! refreshed in the background when scraped, at most once per interval.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
+use futures_util::future::BoxFuture;
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
 use prometheus::{
     Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    Opts, Registry, TextEncoder,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Counters of one biz type since the last flush.
@@ -47,6 +53,8 @@ pub struct Metrics {
     pub redis_p99: Gauge,
     pub redis_bypass: IntCounterVec,
     pub resync_depth: IntGauge,
+    /// Answers by route pattern, method and status code.
+    pub http_requests: IntCounterVec,
     pub journal_dead_letters: IntCounter,
     pending: Mutex<HashMap<String, StatCounts>>,
 }
@@ -179,8 +187,26 @@ impl Metrics {
             "Fast-type journal entries that can never apply (unreadable, or refused by Postgres for what they hold), set aside in the stream <prefix>journal:dead.",
         )
         .expect("valid metric");
+        let http_requests = IntCounterVec::new(
+            Opts::new(
+                "ledger_http_requests_total",
+                "HTTP answers by endpoint (the route pattern; `unmatched` for no route), method and status code.",
+            ),
+            &["endpoint", "method", "status"],
+        )
+        .expect("valid metric");
+        let build_info = IntGaugeVec::new(
+            Opts::new("ledger_build_info", "1, labelled with the running version."),
+            &["version"],
+        )
+        .expect("valid metric");
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .set(1);
         for c in [
             Box::new(tokens_issued.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(http_requests.clone()),
+            Box::new(build_info),
             Box::new(consume_total.clone()),
             Box::new(request_duration.clone()),
             Box::new(tier_duration.clone()),
@@ -201,6 +227,13 @@ impl Metrics {
         ] {
             registry.register(c).expect("distinct metric names");
         }
+        // process_cpu_seconds_total, process_resident_memory_bytes,
+        // process_open_fds, process_start_time_seconds, ... (Linux).
+        registry
+            .register(Box::new(
+                prometheus::process_collector::ProcessCollector::for_self(),
+            ))
+            .expect("distinct metric names");
         for r in ["hit", "miss", "error"] {
             fast_tier_total.with_label_values(&[r]);
         }
@@ -232,9 +265,26 @@ impl Metrics {
             redis_p99,
             redis_bypass,
             resync_depth,
+            http_requests,
             journal_dead_letters,
             pending: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Counts one HTTP answer. `endpoint` is a route pattern (bounded);
+    /// methods outside the standard ones count as `other`.
+    pub fn http_request(&self, endpoint: &str, method: &str, status: u16) {
+        const METHODS: &[&str] = &[
+            "GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "CONNECT", "TRACE",
+        ];
+        let method = METHODS
+            .iter()
+            .find(|m| **m == method)
+            .copied()
+            .unwrap_or("other");
+        self.http_requests
+            .with_label_values(&[endpoint, method, &status.to_string()])
+            .inc();
     }
 
     /// Counts one event for the fleet-wide stats.
@@ -283,5 +333,70 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+/// What [`OnScrape`] runs to bring its gauges up to date.
+pub type Refresh = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
+
+#[derive(Debug, Default)]
+struct ScrapeState {
+    last: Option<Instant>,
+    running: bool,
+}
+
+/// Gauges whose values cost a query (Redis or Postgres): a scrape returns the
+/// values as last read and, when they are older than `every`, starts one
+/// refresh in the background for the next scrape. So a service nobody
+/// scrapes sends no such queries, and one scraped often sends at most one per
+/// `every`; the values a scrape sees are at most `every` plus one query old.
+pub struct OnScrape {
+    gauges: Vec<Box<dyn Collector>>,
+    every: Duration,
+    refresh: Refresh,
+    state: Arc<Mutex<ScrapeState>>,
+}
+
+impl OnScrape {
+    pub fn new(gauges: Vec<Box<dyn Collector>>, every: Duration, refresh: Refresh) -> OnScrape {
+        OnScrape {
+            gauges,
+            every,
+            refresh,
+            state: Arc::default(),
+        }
+    }
+
+    /// Starts a refresh unless one runs or the last one is recent enough.
+    fn refresh_if_due(&self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        {
+            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let fresh = s.last.is_some_and(|t| t.elapsed() < self.every);
+            if s.running || fresh {
+                return;
+            }
+            s.running = true;
+        }
+        let work = (self.refresh)();
+        let state = self.state.clone();
+        runtime.spawn(async move {
+            work.await;
+            let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
+            s.running = false;
+            s.last = Some(Instant::now());
+        });
+    }
+}
+
+impl Collector for OnScrape {
+    fn desc(&self) -> Vec<&Desc> {
+        self.gauges.iter().flat_map(|g| g.desc()).collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        self.refresh_if_due();
+        self.gauges.iter().flat_map(|g| g.collect()).collect()
     }
 }

@@ -48,7 +48,9 @@ use crate::durable::tokens::TokenState;
 use crate::durable::DurableError;
 use crate::fast::{FastError, FastTier, KeyRead, KeyState, Marker};
 use crate::journal::{DrainError, Drainer};
+use crate::metrics::OnScrape;
 use crate::token::{Clock, SnowflakeId, TokenCodec};
+use prometheus::{Gauge, IntGaugeVec};
 
 pub use crate::durable::reconcile::LOCK_KEY;
 pub use report::{
@@ -149,11 +151,26 @@ impl Reconciler {
         };
         run.all().await;
         progress.finish();
+        let finished = self.clock.now();
+        let record = sql::RunRecord {
+            started_at: started,
+            finished_at: finished,
+            dry_run: opts.dry_run,
+            interrupted: cancel.is_cancelled(),
+            errors: run.errors.clone(),
+            // A map of integers serializes.
+            found: serde_json::to_value(run.found).unwrap_or_default(),
+            repaired: serde_json::to_value(run.repaired).unwrap_or_default(),
+        };
+        if let Err(e) = sql::record_run(&self.pool, &record).await {
+            run.errors
+                .push(format!("recording the run: {}", error_chain(&e)));
+        }
         let _ = sql::unlock(&mut lock_conn).await;
         drop(lock_conn);
         let report = Report {
             started_at: crate::admin::time(started),
-            finished_at: crate::admin::time(self.clock.now()),
+            finished_at: crate::admin::time(finished),
             dry_run: opts.dry_run,
             scanned: run.scanned,
             found: run.found,
@@ -677,4 +694,66 @@ fn order_problems(o: &sql::OrderFacts) -> Vec<String> {
         ));
     }
     p
+}
+
+/// How often a scrape may have the last run read again.
+pub const LAST_RUN_REFRESH: Duration = Duration::from_secs(5);
+
+/// `ledger_reconcile_last_finished_timestamp_seconds` and
+/// `ledger_reconcile_last_found{class}`: the last complete run recorded in
+/// Postgres, by whichever process ran it, read when scraped (see
+/// [`OnScrape`]): one indexed query on the admin pool.
+pub fn last_run_metrics(pool: PgPool) -> OnScrape {
+    // Static, valid definitions.
+    let finished = Gauge::new(
+        "ledger_reconcile_last_finished_timestamp_seconds",
+        "When the last complete reconcile run (not a dry run, not interrupted, every phase finished) finished, in Unix seconds, as recorded in Postgres; 0 if none.",
+    )
+    .expect("valid metric");
+    let found = IntGaugeVec::new(
+        prometheus::Opts::new(
+            "ledger_reconcile_last_found",
+            "What the last complete reconcile run found, per divergence class (order_inconsistent needs a human).",
+        ),
+        &["class"],
+    )
+    .expect("valid metric");
+    for class in Class::ALL {
+        found.with_label_values(&[class.as_str()]);
+    }
+    let (f, c) = (finished.clone(), found.clone());
+    OnScrape::new(
+        vec![Box::new(finished), Box::new(found)],
+        LAST_RUN_REFRESH,
+        Arc::new(move || {
+            let (pool, f, c) = (pool.clone(), f.clone(), c.clone());
+            Box::pin(async move {
+                if let Err(e) = refresh_last_run(&pool, &f, &c).await {
+                    tracing::debug!(error = %e, "last reconcile run not read");
+                }
+            })
+        }),
+    )
+}
+
+/// One refresh; while Postgres is unreachable the gauges keep their values.
+async fn refresh_last_run(
+    pool: &PgPool,
+    finished: &Gauge,
+    found: &IntGaugeVec,
+) -> Result<(), DurableError> {
+    let last = sql::last_complete_run(pool).await?;
+    let (at, counts) = match &last {
+        Some((at, counts)) => (at.timestamp_millis() as f64 / 1000.0, Some(counts)),
+        None => (0.0, None),
+    };
+    finished.set(at);
+    for class in Class::ALL {
+        let n = counts
+            .and_then(|f| f.get(class.as_str()))
+            .copied()
+            .unwrap_or(0);
+        found.with_label_values(&[class.as_str()]).set(n);
+    }
+    Ok(())
 }

@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admin::Admin;
 use crate::auth::Clients;
 use crate::config::Settings;
+use crate::durable::usage::PoolUsage;
 use crate::durable::{setup, Pools};
 use crate::fast::FastTier;
 use crate::http::{self, AppState};
@@ -26,7 +27,7 @@ use crate::metrics::Metrics;
 use crate::orders::Orders;
 use crate::reconcile::Reconciler;
 use crate::token::Clock;
-use crate::{bloom, writer};
+use crate::{bloom, journal, reconcile, writer};
 
 #[derive(Debug, Clone, Copy)]
 pub struct BuildOptions {
@@ -68,7 +69,23 @@ impl Application {
         setup::check_durability(&pools).await?;
 
         let metrics = Arc::new(Metrics::new());
+        metrics
+            .registry
+            .register(Box::new(PoolUsage::new(
+                &pools,
+                settings.postgres.pool_size,
+                settings.postgres.admin_pool_size,
+            )))
+            .context("registering the pool metrics")?;
+        metrics
+            .registry
+            .register(Box::new(reconcile::last_run_metrics(pools.admin.clone())))
+            .context("registering the reconcile metrics")?;
         let fast = FastTier::new(settings.redis.clone(), metrics.clone(), clock.clone());
+        metrics
+            .registry
+            .register(Box::new(journal::lag_metric(fast.clone())))
+            .context("registering the journal metrics")?;
         match fast.maxmemory_policy().await {
             Some(policy) if policy != "noeviction" => {
                 metrics.redis_eviction_unsafe.set(1);

@@ -360,3 +360,61 @@ pub async fn record_repairs(pool: &PgPool, repairs: &[Repair]) -> Result<(), Dur
     .await?;
     Ok(())
 }
+
+/// One finished run, as `reconcile_runs` records it.
+#[derive(Debug, Clone)]
+pub struct RunRecord {
+    pub started_at: DateTime<Utc>,
+    pub finished_at: DateTime<Utc>,
+    pub dry_run: bool,
+    pub interrupted: bool,
+    pub errors: Vec<String>,
+    /// Counts by class name.
+    pub found: serde_json::Value,
+    pub repaired: serde_json::Value,
+}
+
+impl RunRecord {
+    /// Not a dry run, not interrupted, every phase finished.
+    pub fn complete(&self) -> bool {
+        !self.dry_run && !self.interrupted && self.errors.is_empty()
+    }
+}
+
+/// Records a run (one row).
+pub async fn record_run(pool: &PgPool, run: &RunRecord) -> Result<(), DurableError> {
+    sqlx::query(
+        "INSERT INTO reconcile_runs
+             (started_at, finished_at, dry_run, interrupted, errors, complete, found, repaired)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+    )
+    .bind(run.started_at)
+    .bind(run.finished_at)
+    .bind(run.dry_run)
+    .bind(run.interrupted)
+    .bind(sqlx::types::Json(&run.errors))
+    .bind(run.complete())
+    .bind(&run.found)
+    .bind(&run.repaired)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The finish time and findings (by class name) of the last complete run.
+pub async fn last_complete_run(
+    pool: &PgPool,
+) -> Result<Option<(DateTime<Utc>, HashMap<String, i64>)>, DurableError> {
+    let row = sqlx::query(
+        "SELECT finished_at, found FROM reconcile_runs
+          WHERE complete ORDER BY finished_at DESC LIMIT 1",
+    )
+    .fetch_optional(pool)
+    .await?;
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let at: DateTime<Utc> = row.try_get("finished_at")?;
+    let found: sqlx::types::Json<HashMap<String, i64>> = row.try_get("found")?;
+    Ok(Some((at, found.0)))
+}

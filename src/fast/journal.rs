@@ -111,6 +111,14 @@ impl FastTier {
         }
     }
 
+    /// Journal entries waiting in this process for their `XADD` (cluster).
+    pub fn journal_backlog_len(&self) -> usize {
+        self.journal_backlog
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
+    }
+
     /// Appends the queued journal entries, oldest first; returns how many
     /// are left (0 on a standalone Redis, whose scripts append in place).
     pub async fn flush_journal_backlog(&self) -> usize {

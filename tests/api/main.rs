@@ -11,6 +11,7 @@ mod fleet;
 mod helpers;
 mod idle_connections;
 mod issue;
+mod metrics;
 mod orders;
 mod orders_model;
 mod procs;
