@@ -1,8 +1,21 @@
 //! The command line: `serve`, `migrate`, `reconcile` and `audit` (the last
-//! two in [`admin`]). `--config FILE` is global. Usage and configuration
-//! errors exit 2.
+//! two in [`admin`]), `config check` ([`config_check`]), `client new`
+//! ([`client`]) and `health` ([`health`]). `--config FILE` is global.
+//!
+//! Exit codes, for every command:
+//! - 0: done (`reconcile`: finished, even with repairs; `health`: answered 2xx);
+//! - 1: failed at run time (`audit token`: not found; `health`: no 2xx answer;
+//!   `reconcile`: could not run, or a phase failed);
+//! - 2: usage or configuration error, naming the problem;
+//! - 3: `reconcile`: another run holds the lock;
+//! - 4: `reconcile --fail-on-inconsistent`: finished and found `order_inconsistent`;
+//! - 5: `audit`: could not ask (Postgres unreachable or failing);
+//! - 130: interrupted (SIGINT).
 
 pub mod admin;
+pub mod client;
+pub mod config_check;
+pub mod health;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -42,19 +55,60 @@ pub enum Command {
     Migrate,
     /// Find and repair divergence between Redis and Postgres; print the report.
     /// Exit 0 when it finished (even with repairs), 3 when another run holds
-    /// the lock, 1 when it could not run.
+    /// the lock, 4 with --fail-on-inconsistent when it found
+    /// order_inconsistent, 1 when it could not run.
     Reconcile(admin::ReconcileArgs),
-    /// What happened to a token, a user or an order.
+    /// What happened to a token, a user or an order (exit 5: could not ask).
     Audit {
         #[command(subcommand)]
         what: admin::AuditCommand,
     },
+    /// The configuration.
+    Config {
+        #[command(subcommand)]
+        what: ConfigCommand,
+    },
+    /// API clients.
+    Client {
+        #[command(subcommand)]
+        what: ClientCommand,
+    },
+    /// Ask a running service (for container health checks): exit 0 when it
+    /// answers 2xx, 1 otherwise.
+    Health(health::HealthArgs),
 }
 
-/// Exit codes: 0 done, 1 failed at run time (or `audit token`: not found),
-/// 2 usage or configuration, 3 `reconcile`: another run holds the lock.
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Validate the configuration (embedded defaults, --config, LEDGER__*
+    /// variables) and print the effective one with every secret redacted;
+    /// exit 2 naming the first problem.
+    Check,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ClientCommand {
+    /// Print a fresh random API key (once) and the [[clients]] block holding
+    /// only its SHA-256.
+    New(client::NewArgs),
+}
+
+/// Runs one command; the exit codes are in the module's documentation.
 pub fn run(cli: Cli) -> ExitCode {
-    let settings = match Settings::load(cli.config.as_deref()) {
+    let file = cli.config.as_deref();
+    // Commands that need no runtime, no logs, and (for `client new`) not even
+    // a valid configuration.
+    let command = match cli.command {
+        Command::Config {
+            what: ConfigCommand::Check,
+        } => return config_check::run(file),
+        Command::Client {
+            what: ClientCommand::New(args),
+        } => return client::run(file, args),
+        Command::Health(args) => return health::run(file, args),
+        other => other,
+    };
+    let settings = match Settings::load(file) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("idempotency-ledger: {e}");
@@ -73,7 +127,7 @@ pub fn run(cli: Cli) -> ExitCode {
         }
     };
     let outcome: anyhow::Result<ExitCode> = runtime.block_on(async move {
-        match cli.command {
+        match command {
             Command::Serve { no_migrate } => {
                 let app = Application::build(
                     settings,
@@ -94,6 +148,9 @@ pub fn run(cli: Cli) -> ExitCode {
             }
             Command::Reconcile(args) => Ok(admin::reconcile(&settings, args).await),
             Command::Audit { what } => Ok(admin::audit(&settings, what).await),
+            Command::Config { .. } | Command::Client { .. } | Command::Health(_) => {
+                unreachable!("handled before the configuration is loaded")
+            }
         }
     });
     match outcome {

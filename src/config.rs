@@ -381,26 +381,21 @@ impl Settings {
         file: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Settings, ConfigError> {
-        let mut fig = Figment::new();
-        if let Some(path) = file {
-            if !path.exists() {
-                return Err(invalid(
-                    "--config",
-                    format!("file {} does not exist", path.display()),
-                ));
-            }
-            fig = fig.merge(Toml::file(path));
-        }
-        let env: Vec<(String, String)> = env
-            .into_iter()
-            .filter(|(k, _)| k.starts_with("LEDGER__"))
-            .collect();
-        if !env.is_empty() {
-            // Figment reads only the process environment, so pass ours through
-            // a TOML document built from the pairs instead of mutating it.
-            fig = fig.merge(Toml::string(&env_to_toml(&env)?));
-        }
-        Self::over_defaults(fig)
+        Self::over_defaults(user_layers(file, env)?)
+    }
+
+    /// Loads and validates like [`Settings::load_with_env`], and also returns
+    /// the merged configuration as TOML with every secret redacted
+    /// ([`redact`]): what `config check` prints.
+    pub fn effective_with_env(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<(Settings, toml::Table), ConfigError> {
+        let user = user_layers(file, env)?;
+        let settings = Self::over_defaults(user.clone())?;
+        let mut table: toml::Table = merged(user).extract().map_err(Box::new)?;
+        redact(&mut table);
+        Ok((settings, table))
     }
 
     /// Loads from a TOML string merged over the defaults (used by tests).
@@ -409,23 +404,136 @@ impl Settings {
     }
 
     /// The user's layers (file, environment) merged over the embedded
-    /// defaults. Naming `redis.cluster_nodes` without a `redis.url` of one's
-    /// own means the cluster: the default standalone URL is dropped (both set
-    /// by the user is still a configuration error).
+    /// defaults, validated.
     fn over_defaults(user: Figment) -> Result<Settings, ConfigError> {
-        let cluster_only = user.contains("redis.cluster_nodes") && !user.contains("redis.url");
-        let mut fig = Figment::from(Toml::string(DEFAULT_TOML)).merge(user);
-        if cluster_only {
-            fig = fig.merge(Toml::string("[redis]\nurl = \"\"\n"));
-        }
-        let raw: Raw = fig.extract().map_err(Box::new)?;
+        let raw: Raw = merged(user).extract().map_err(Box::new)?;
         raw.validate()
     }
 
     pub fn biz(&self, biz: &BizType) -> Option<&BizSettings> {
         self.biz.get(biz)
     }
+}
 
+/// The file (if any), then the `LEDGER__*` variables among `env`.
+fn user_layers(
+    file: Option<&Path>,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<Figment, ConfigError> {
+    let mut fig = Figment::new();
+    if let Some(path) = file {
+        if !path.exists() {
+            return Err(invalid(
+                "--config",
+                format!("file {} does not exist", path.display()),
+            ));
+        }
+        fig = fig.merge(Toml::file(path));
+    }
+    let env: Vec<(String, String)> = env
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("LEDGER__"))
+        .collect();
+    if !env.is_empty() {
+        // Figment reads only the process environment, so pass ours through
+        // a TOML document built from the pairs instead of mutating it.
+        fig = fig.merge(Toml::string(&env_to_toml(&env)?));
+    }
+    Ok(fig)
+}
+
+/// The user's layers merged over the embedded defaults. Naming
+/// `redis.cluster_nodes` without a `redis.url` of one's own means the
+/// cluster: the default standalone URL is dropped (both set by the user is
+/// still a configuration error).
+fn merged(user: Figment) -> Figment {
+    let cluster_only = user.contains("redis.cluster_nodes") && !user.contains("redis.url");
+    let mut fig = Figment::from(Toml::string(DEFAULT_TOML)).merge(user);
+    if cluster_only {
+        fig = fig.merge(Toml::string("[redis]\nurl = \"\"\n"));
+    }
+    fig
+}
+
+/// What replaces a secret in printed configuration.
+pub const REDACTED: &str = "REDACTED";
+
+/// Replaces every secret in a configuration tree: values of keys named like
+/// a secret (`secret`, `password`, `*_secret`, `*_password`), and the
+/// password of any URL (`scheme://user:password@host`, or a `password`
+/// query parameter). Key hashes (`key_sha256`) are not secrets and stay.
+pub fn redact(table: &mut toml::Table) {
+    for (key, value) in table.iter_mut() {
+        redact_value(key, value);
+    }
+}
+
+fn is_secret_key(key: &str) -> bool {
+    let k = key.to_ascii_lowercase();
+    k == "secret" || k == "password" || k.ends_with("_secret") || k.ends_with("_password")
+}
+
+fn redact_value(key: &str, value: &mut toml::Value) {
+    match value {
+        toml::Value::String(s) if is_secret_key(key) => *s = REDACTED.to_owned(),
+        toml::Value::String(s) => {
+            if let Some(r) = redact_url(s) {
+                *s = r;
+            }
+        }
+        toml::Value::Array(items) => {
+            for item in items {
+                redact_value(key, item);
+            }
+        }
+        toml::Value::Table(t) => redact(t),
+        other if is_secret_key(key) => *other = toml::Value::String(REDACTED.to_owned()),
+        _ => {}
+    }
+}
+
+/// The URL with its password replaced, or `None` when it holds none (or is
+/// not a URL).
+pub fn redact_url(text: &str) -> Option<String> {
+    if !text.contains("://") {
+        return None;
+    }
+    let Ok(mut url) = url::Url::parse(text) else {
+        // Unparsable but URL-like: hide whatever sits before an `@`.
+        return text.rfind('@').map(|at| {
+            let scheme_end = text.find("://").map(|i| i + 3).unwrap_or(0);
+            format!("{}{REDACTED}{}", &text[..scheme_end], &text[at..])
+        });
+    };
+    let mut changed = false;
+    if url.password().is_some() {
+        // Only fails for URLs that cannot have a password (no host).
+        changed = url.set_password(Some(REDACTED)).is_ok();
+    }
+    let pairs: Vec<(String, String)> = url
+        .query_pairs()
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect();
+    if pairs
+        .iter()
+        .any(|(k, _)| k.to_ascii_lowercase().contains("password"))
+    {
+        let mut q = url.query_pairs_mut();
+        q.clear();
+        for (k, v) in &pairs {
+            if k.to_ascii_lowercase().contains("password") {
+                q.append_pair(k, REDACTED);
+            } else {
+                q.append_pair(k, v);
+            }
+        }
+        drop(q);
+        changed = true;
+    }
+    changed.then(|| url.to_string())
+}
+
+impl Settings {
     /// Development keys or secrets in effect (named, never printed in full).
     pub fn development_secrets_in_use(&self) -> Vec<String> {
         let mut found = Vec::new();

@@ -18,11 +18,18 @@ use crate::domain::AuditKind;
 use crate::durable::Pools;
 use crate::fast::FastTier;
 use crate::metrics::Metrics;
-use crate::reconcile::{self, LogProgress, Phase, Progress, ReconcileError, Reconciler};
+use crate::reconcile::{self, Class, LogProgress, Phase, Progress, ReconcileError, Reconciler};
 use crate::token::{Clock, SystemClock};
 
 /// Exit code when another reconcile run holds the lock.
 pub const EXIT_RUNNING: u8 = 3;
+/// Exit code of `reconcile --fail-on-inconsistent` that found
+/// `order_inconsistent` (the report is printed as usual).
+pub const EXIT_INCONSISTENT: u8 = 4;
+/// Exit code of `audit` when Postgres could not be asked (unreachable,
+/// failing): unlike 1 (`audit token`: not found), it says nothing about the
+/// token.
+pub const EXIT_UNAVAILABLE: u8 = 5;
 /// Exit code of an interrupted reconcile (SIGINT), as shells do.
 pub const EXIT_INTERRUPTED: u8 = 130;
 
@@ -57,6 +64,10 @@ pub struct ReconcileArgs {
     /// Report format.
     #[arg(long, value_enum, default_value = "json")]
     pub format: ReportFormat,
+    /// Exit 4 when the run finished and found order_inconsistent (for cron
+    /// jobs that alert on their exit code).
+    #[arg(long)]
+    pub fail_on_inconsistent: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -97,12 +108,16 @@ pub struct EventsArgs {
     /// `next_cursor` of the previous page.
     #[arg(long)]
     pub cursor: Option<String>,
+    /// Follow the cursor to the last event (an export); --limit is then the
+    /// page size.
+    #[arg(long)]
+    pub all: bool,
     /// Default: table on a terminal, json otherwise.
     #[arg(long, value_enum)]
     pub format: Option<EventsFormat>,
 }
 
-fn parse_duration(s: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s)
         .map_err(|_| format!("`{s}` is not a duration; use e.g. 24h, 30m, 7d"))
 }
@@ -174,7 +189,8 @@ impl Progress for Bar {
     }
 }
 
-/// `reconcile`: 0 finished, 3 another run holds the lock, 130 interrupted,
+/// `reconcile`: 0 finished, 3 another run holds the lock, 4 finished with
+/// `--fail-on-inconsistent` and found `order_inconsistent`, 130 interrupted,
 /// 1 could not run (or a phase failed).
 pub async fn reconcile(settings: &Settings, args: ReconcileArgs) -> ExitCode {
     let pools = match Pools::new(&settings.postgres) {
@@ -221,6 +237,13 @@ pub async fn reconcile(settings: &Settings, args: ReconcileArgs) -> ExitCode {
             }
             if report.interrupted {
                 ExitCode::from(EXIT_INTERRUPTED)
+            } else if args.fail_on_inconsistent && report.found.get(Class::OrderInconsistent) > 0 {
+                // Before a failed phase's 1: the orders need a human either way.
+                eprintln!(
+                    "idempotency-ledger: {} inconsistent order(s) found",
+                    report.found.get(Class::OrderInconsistent)
+                );
+                ExitCode::from(EXIT_INCONSISTENT)
             } else if report.errors.is_empty() {
                 ExitCode::SUCCESS
             } else {
@@ -241,7 +264,8 @@ pub async fn reconcile(settings: &Settings, args: ReconcileArgs) -> ExitCode {
     }
 }
 
-/// `audit token` / `audit events`: 0 found, 1 not found or failed, 2 usage.
+/// `audit token` / `audit events`: 0 found, 1 not found, 2 usage,
+/// 5 could not ask.
 pub async fn audit(settings: &Settings, command: AuditCommand) -> ExitCode {
     let pools = match Pools::new(&settings.postgres) {
         Ok(p) => p,
@@ -266,43 +290,115 @@ pub async fn audit(settings: &Settings, command: AuditCommand) -> ExitCode {
             }
             Err(e) => fail(e),
         },
-        AuditCommand::Events(args) => {
-            let query = AuditQuery {
-                subject: args.subject,
-                biz_type: args.biz_type,
-                order_id: args.order_id,
-                kind: args.kind,
-                since: args.since,
-                until: args.until,
-                limit: args.limit,
-                cursor: args.cursor,
-            };
-            match audit.audit(&query).await {
-                Ok(page) => {
-                    let format = args.format.unwrap_or(if stdout_is_terminal() {
-                        EventsFormat::Table
-                    } else {
-                        EventsFormat::Json
-                    });
-                    match format {
-                        EventsFormat::Json => println!("{}", json(&page)),
-                        EventsFormat::Table => print!("{}", events_table(&page)),
-                        EventsFormat::Csv => print!("{}", events_csv(&page.events)),
-                    }
-                    ExitCode::SUCCESS
-                }
-                Err(e) => fail(e),
-            }
-        }
+        AuditCommand::Events(args) => events(&audit, args).await,
     };
     pools.close().await;
     code
 }
 
+/// `audit events`: one page, or with `--all` every page, printed as it comes
+/// (JSON keeps the shape of one page: `{"events": [...], "next_cursor": null}`).
+async fn events(audit: &Admin, args: EventsArgs) -> ExitCode {
+    let format = args.format.unwrap_or(if stdout_is_terminal() {
+        EventsFormat::Table
+    } else {
+        EventsFormat::Json
+    });
+    let mut query = AuditQuery {
+        subject: args.subject,
+        biz_type: args.biz_type,
+        order_id: args.order_id,
+        kind: args.kind,
+        since: args.since,
+        until: args.until,
+        limit: args.limit,
+        cursor: args.cursor,
+    };
+    if !args.all {
+        return match audit.audit(&query).await {
+            Ok(page) => {
+                match format {
+                    EventsFormat::Json => println!("{}", json(&page)),
+                    EventsFormat::Table => print!("{}", events_table(&page)),
+                    EventsFormat::Csv => print!("{}", events_csv(&page.events, true)),
+                }
+                if let Some(c) = &page.next_cursor {
+                    eprintln!(
+                        "idempotency-ledger: more events than this page: rerun with --cursor {c}, or --all for every page"
+                    );
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(e),
+        };
+    }
+    let mut out = std::io::stdout().lock();
+    let mut table_events: Vec<AuditEvent> = Vec::new();
+    let mut written = 0usize;
+    let mut write = |text: &str| {
+        use std::io::Write;
+        // A closed pipe (`| head`) ends the export quietly.
+        out.write_all(text.as_bytes()).is_ok()
+    };
+    if format == EventsFormat::Json && !write("{\"events\": [") {
+        return ExitCode::SUCCESS;
+    }
+    loop {
+        let page = match audit.audit(&query).await {
+            Ok(p) => p,
+            Err(e) => {
+                if format == EventsFormat::Json {
+                    write("\n]}\n");
+                }
+                eprintln!("idempotency-ledger: the export stopped after {written} event(s)");
+                return fail(e);
+            }
+        };
+        let ok = match format {
+            EventsFormat::Json => page.events.iter().all(|e| {
+                let sep = if written == 0 { "\n" } else { ",\n" };
+                written += 1;
+                write(&format!(
+                    "{sep}{}",
+                    serde_json::to_string(e).unwrap_or_default()
+                ))
+            }),
+            EventsFormat::Csv => {
+                let text = events_csv(&page.events, written == 0);
+                written += page.events.len();
+                write(&text)
+            }
+            EventsFormat::Table => {
+                written += page.events.len();
+                table_events.extend(page.events);
+                true
+            }
+        };
+        if !ok {
+            return ExitCode::SUCCESS;
+        }
+        match page.next_cursor {
+            Some(c) => query.cursor = Some(c),
+            None => break,
+        }
+    }
+    let tail = match format {
+        EventsFormat::Json => "\n], \"next_cursor\": null}\n".to_owned(),
+        EventsFormat::Csv => String::new(),
+        EventsFormat::Table => events_table(&AuditPage {
+            events: table_events,
+            next_cursor: None,
+        }),
+    };
+    write(&tail);
+    ExitCode::SUCCESS
+}
+
 fn fail(e: AdminError) -> ExitCode {
     let code = match &e {
         AdminError::TokenInvalid | AdminError::InvalidCursor | AdminError::InvalidRequest(_) => 2,
-        AdminError::TokenNotFound | AdminError::Postgres(_) => 1,
+        AdminError::TokenNotFound => 1,
+        AdminError::Postgres(_) => EXIT_UNAVAILABLE,
     };
     match e {
         AdminError::Postgres(d) => {
@@ -410,44 +506,93 @@ fn table(events: &[AuditEvent], with_token: bool) -> String {
     out
 }
 
-/// RFC 4180: quoted when needed, quotes doubled, CRLF-free lines.
-fn csv_field(s: &str) -> String {
-    if s.contains([',', '"', '\n', '\r']) {
-        format!("\"{}\"", s.replace('"', "\"\""))
+/// A cell a spreadsheet would run as a formula (`=`, `+`, `-`, `@`, a tab
+/// or a carriage return first) gets a `'` in front, so it shows as text
+/// (OWASP "CSV injection"). Subjects, order ids and details are chosen by
+/// callers.
+pub fn spreadsheet_safe(cell: &str) -> std::borrow::Cow<'_, str> {
+    if cell.starts_with(['=', '+', '-', '@', '\t', '\r']) {
+        std::borrow::Cow::Owned(format!("'{cell}"))
     } else {
-        s.to_owned()
+        std::borrow::Cow::Borrowed(cell)
     }
 }
 
-pub fn events_csv(events: &[AuditEvent]) -> String {
-    let mut out = String::from("id,at,kind,token,subject,biz_type,order_id,client,detail\n");
-    for e in events {
-        let cells = [
-            e.id.clone(),
-            e.at.clone(),
-            e.kind.to_owned(),
-            e.token.clone().unwrap_or_default(),
-            e.subject.clone().unwrap_or_default(),
-            e.biz_type.clone().unwrap_or_default(),
-            e.order_id.clone().unwrap_or_default(),
-            e.client.clone().unwrap_or_default(),
-            e.detail.to_string(),
-        ];
-        let line: Vec<String> = cells.iter().map(|c| csv_field(c)).collect();
-        out.push_str(&line.join(","));
-        out.push('\n');
+/// RFC 4180 (the `csv` crate: quoted when needed, quotes doubled), every
+/// cell [`spreadsheet_safe`]; the header line first when `header`.
+pub fn events_csv(events: &[AuditEvent], header: bool) -> String {
+    let mut w = csv::WriterBuilder::new()
+        .terminator(csv::Terminator::Any(b'\n'))
+        .from_writer(Vec::new());
+    // Writing into a Vec cannot fail.
+    if header {
+        let _ = w.write_record([
+            "id", "at", "kind", "token", "subject", "biz_type", "order_id", "client", "detail",
+        ]);
     }
-    out
+    for e in events {
+        let detail = e.detail.to_string();
+        let cells = [
+            e.id.as_str(),
+            e.at.as_str(),
+            e.kind,
+            e.token.as_deref().unwrap_or_default(),
+            e.subject.as_deref().unwrap_or_default(),
+            e.biz_type.as_deref().unwrap_or_default(),
+            e.order_id.as_deref().unwrap_or_default(),
+            e.client.as_deref().unwrap_or_default(),
+            detail.as_str(),
+        ];
+        let _ = w.write_record(cells.iter().map(|c| spreadsheet_safe(c).into_owned()));
+    }
+    String::from_utf8(w.into_inner().unwrap_or_default()).unwrap_or_default()
 }
 
 #[cfg(test)]
 mod tests {
-    use super::csv_field;
+    use super::*;
+
+    fn event(subject: &str, detail: serde_json::Value) -> AuditEvent {
+        AuditEvent {
+            id: "7".into(),
+            at: "2026-01-02T03:04:05.000000Z".into(),
+            kind: "token.issued",
+            token: None,
+            subject: Some(subject.into()),
+            biz_type: Some("order".into()),
+            order_id: None,
+            client: Some("payments".into()),
+            detail,
+        }
+    }
 
     #[test]
-    fn csv_quotes_only_when_needed() {
-        assert_eq!(csv_field("plain"), "plain");
-        assert_eq!(csv_field("a,b"), "\"a,b\"");
-        assert_eq!(csv_field("{\"k\":1}"), "\"{\"\"k\"\":1}\"");
+    fn csv_quotes_when_needed_and_defuses_formulas() {
+        let out = events_csv(&[event("a,b", serde_json::json!({"k": 1}))], true);
+        let mut lines = out.lines();
+        assert_eq!(
+            lines.next(),
+            Some("id,at,kind,token,subject,biz_type,order_id,client,detail")
+        );
+        assert_eq!(
+            lines.next(),
+            Some("7,2026-01-02T03:04:05.000000Z,token.issued,,\"a,b\",order,,payments,\"{\"\"k\"\":1}\"")
+        );
+        for (subject, cell) in [
+            (
+                "=HYPERLINK(\"http://x\")",
+                "\"'=HYPERLINK(\"\"http://x\"\")\"",
+            ),
+            ("+1", "'+1"),
+            ("-1+1", "'-1+1"),
+            ("@SUM(A1)", "'@SUM(A1)"),
+            ("\tx", "'\tx"),
+            ("\rx", "\"'\rx\""),
+            ("plain", "plain"),
+        ] {
+            let out = events_csv(&[event(subject, serde_json::json!({}))], false);
+            let got = out.splitn(5, ',').nth(4).expect("subject cell");
+            assert!(got.starts_with(cell), "{subject:?}: {got:?}");
+        }
     }
 }

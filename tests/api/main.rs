@@ -3,6 +3,7 @@
 
 mod admin;
 mod bad_input;
+mod cli;
 mod concurrency;
 mod consume;
 mod docs_links;
