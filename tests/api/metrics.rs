@@ -253,7 +253,11 @@ async fn journal_lag_counts_entries_waiting_in_the_stream() {
     let stores = Stores::fresh();
     let settings = stores.settings();
     let metrics = Arc::new(Metrics::new());
-    let fast = FastTier::new(settings.redis.clone(), metrics.clone());
+    let fast = FastTier::new(
+        settings.redis.clone(),
+        metrics.clone(),
+        Arc::new(idempotency_ledger::token::SystemClock),
+    );
     let mut r = redis::Client::open(stores.redis_url.as_str())
         .expect("url")
         .get_multiplexed_async_connection()
