@@ -118,6 +118,7 @@ struct RawRedis {
     connections: usize,
     timeout: String,
     consumed_ttl: String,
+    processing_trust: String,
     down_backoff: String,
     slow_threshold: String,
     slow_window: String,
@@ -311,6 +312,10 @@ pub struct RedisSettings {
     pub connections: usize,
     pub timeout: Duration,
     pub consumed_ttl: Duration,
+    /// How long after its consume a durable consumed marker without a
+    /// result may answer `processing` on its own; older, Postgres is asked
+    /// (a result whose write to Redis failed is then still answered).
+    pub processing_trust: Duration,
     pub down_backoff: Duration,
     /// p99 of Redis calls above this over `slow_window`: mode `degraded`.
     pub slow_threshold: Duration,
@@ -796,6 +801,10 @@ impl Raw {
             connections: self.redis.connections,
             timeout: parse_duration("redis.timeout", &self.redis.timeout)?,
             consumed_ttl: parse_duration("redis.consumed_ttl", &self.redis.consumed_ttl)?,
+            processing_trust: parse_duration(
+                "redis.processing_trust",
+                &self.redis.processing_trust,
+            )?,
             down_backoff: parse_duration("redis.down_backoff", &self.redis.down_backoff)?,
             slow_threshold: parse_duration("redis.slow_threshold", &self.redis.slow_threshold)?,
             slow_window: parse_duration("redis.slow_window", &self.redis.slow_window)?,

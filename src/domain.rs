@@ -173,9 +173,40 @@ impl fmt::Display for AuditKind {
     }
 }
 
+/// Whether a JSON value holds U+0000 in any string, object keys included, at
+/// any depth. Postgres's `jsonb` cannot store it, so a result holding it is
+/// refused (400) before any I/O: an accepted result always reaches Postgres.
+pub fn json_holds_nul(v: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(items) => items.iter().any(json_holds_nul),
+        Value::Object(map) => map
+            .iter()
+            .any(|(k, v)| k.contains('\0') || json_holds_nul(v)),
+        Value::Null | Value::Bool(_) | Value::Number(_) => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nul_anywhere_in_a_json_value() {
+        use serde_json::json;
+        for v in [
+            json!("a\u{0}b"),
+            json!({"note": "nul\u{0}byte"}),
+            json!({"k\u{0}": 1}),
+            json!([1, [2, {"x": ["\u{0}"]}]]),
+        ] {
+            assert!(json_holds_nul(&v), "{v}");
+        }
+        for v in [json!(null), json!({"a": [1, "b", true]}), json!("\\u0000")] {
+            assert!(!json_holds_nul(&v), "{v}");
+        }
+    }
 
     #[test]
     fn audit_kinds_round_trip() {

@@ -144,7 +144,6 @@ pub enum FastWrite {
 
 struct Scripts {
     consume: Script,
-    settle: Script,
     writeback: Script,
     fast_write: Script,
     issue: Script,
@@ -226,7 +225,6 @@ impl FastTier {
             next: AtomicUsize::new(0),
             scripts: Scripts {
                 consume: Script::new(include_str!("lua/consume.lua")),
-                settle: Script::new(include_str!("lua/settle.lua")),
                 writeback: Script::new(include_str!("lua/writeback.lua")),
                 fast_write: Script::new(include_str!("lua/fast_write.lua")),
                 issue: Script::new(include_str!("lua/issue.lua")),
@@ -247,13 +245,15 @@ impl FastTier {
     /// connection, bounded by `redis.timeout`.
     ///
     /// A call that failed after it was handed to a connection may have run:
-    /// its reply can be lost with the socket. Only the consume script is
-    /// sent again then (once, see [`FastTier::call_idempotent`]): it is
-    /// idempotent per attempt owner, so a second copy answers what the first
-    /// did (`consume.lua`). The others are not, and are never resent:
+    /// its reply can be lost with the socket. Only the consume script and
+    /// the write-backs are sent again then (once, see
+    /// [`FastTier::call_idempotent`]): the consume is idempotent per attempt
+    /// owner, so a second copy answers what the first did (`consume.lua`),
+    /// and a write-back applies only over an older generation (or, to give a
+    /// claim back, only while its owner holds it), so a second copy writes
+    /// nothing (`writeback.lua`). The others are not, and are never resent:
     /// `fast_write.lua` sent again answers `same` or `not_releasable` for
-    /// what it just did, `settle.lua`'s `issued` would write over a consume
-    /// made in between, an `XADD` would journal a decision twice. Their
+    /// what it just did, an `XADD` would journal a decision twice. Their
     /// failure stays an error for the caller (503 where the outcome is
     /// unknown). For the same reason the cluster client's own resend after a
     /// dropped connection is switched off (`retries(0)`): it would resend
@@ -583,28 +583,6 @@ impl FastTier {
         Ok((outcome, version))
     }
 
-    /// Writes Postgres's "consumed" back (see `settle.lua`). Unless `force`,
-    /// only over a missing key, a consumed marker, or our own (`owner`)
-    /// provisional marker: never over an `issued` key, which a release may
-    /// have just written.
-    pub async fn settle_consumed(
-        &self,
-        token: &str,
-        owner: Option<&str>,
-        marker: &Marker,
-        force: bool,
-    ) -> Result<(), FastError> {
-        let op = if force { "consumed_force" } else { "consumed" };
-        self.settle(
-            token,
-            op,
-            owner.unwrap_or(""),
-            self.consumed_ttl_ms(),
-            Some(marker),
-        )
-        .await
-    }
-
     /// Our provisional marker goes back to issued, at its generation, with
     /// `remaining_ms` to live, if we still own it (see `writeback.lua`).
     pub async fn unclaim(
@@ -659,7 +637,9 @@ impl FastTier {
         let key = self.token_key(token);
         let script = &self.scripts.writeback;
         let m = marker.cloned().unwrap_or_default();
-        self.call("writeback", |mut c| async move {
+        let (key, m) = (&key, &m);
+        // Versioned, so safe to send again (see `connect`).
+        self.call_idempotent("writeback", |mut c| async move {
             script
                 .key(key)
                 .arg(op)
@@ -677,20 +657,6 @@ impl FastTier {
         .await
     }
 
-    /// Adds a recorded result to a consumed marker (if Redis has one).
-    pub async fn settle_result(&self, token: &str, result: &str) -> Result<(), FastError> {
-        let marker = Marker {
-            result: Some(result.to_owned()),
-            ..Marker::default()
-        };
-        self.settle(token, "result", "", 0, Some(&marker)).await
-    }
-
-    /// Sets the token to issued (after a release) with `remaining_ms` to live.
-    pub async fn set_issued(&self, token: &str, remaining_ms: i64) -> Result<(), FastError> {
-        self.settle(token, "issued", "", remaining_ms, None).await
-    }
-
     /// Deletes a token's key (before a durable release, so Postgres decides).
     pub async fn forget(&self, token: &str) -> Result<(), FastError> {
         let key = self.token_key(token);
@@ -698,34 +664,6 @@ impl FastTier {
             redis::cmd("DEL")
                 .arg(key)
                 .query_async::<i64>(&mut c)
-                .await
-                .map(|_| ())
-        })
-        .await
-    }
-
-    async fn settle(
-        &self,
-        token: &str,
-        op: &'static str,
-        owner: &str,
-        ttl_ms: i64,
-        marker: Option<&Marker>,
-    ) -> Result<(), FastError> {
-        let key = self.token_key(token);
-        let script = &self.scripts.settle;
-        let m = marker.cloned().unwrap_or_default();
-        self.call("settle", |mut c| async move {
-            script
-                .key(key)
-                .arg(op)
-                .arg(owner)
-                .arg(ttl_ms)
-                .arg(m.at_ms)
-                .arg(m.request_id.as_deref().unwrap_or(""))
-                .arg(m.fingerprint.as_deref().unwrap_or(""))
-                .arg(m.result.as_deref().unwrap_or(""))
-                .invoke_async::<i64>(&mut c)
                 .await
                 .map(|_| ())
         })

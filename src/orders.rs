@@ -133,10 +133,16 @@ fn decide(
         if used.order_id != order_id || used.kind != Some(input.event.kind()) {
             return Err(OrderError::TokenAlreadyUsed);
         }
-        if let (Some(a), Some(b)) = (&usage.fingerprint, &input.fingerprint) {
-            if a != b.as_str() {
-                return Err(LedgerError::FingerprintMismatch.into());
-            }
+        // Only an identical event is a duplicate: the same token on the same
+        // order with another refund amount, or another fingerprint (both
+        // present), changes nothing.
+        let other_fingerprint = matches!((&usage.fingerprint, &input.fingerprint), (Some(a), Some(b)) if a != b.as_str());
+        let other_amount = match input.event {
+            OrderEvent::Refund { amount_minor } => amount_minor != used.amount_minor,
+            OrderEvent::Pay | OrderEvent::Close => false,
+        };
+        if other_fingerprint || other_amount {
+            return Err(LedgerError::FingerprintMismatch.into());
         }
         let replay =
             matches!((&used.request_id, &input.request_id), (Some(a), Some(b)) if a == b.as_str());

@@ -23,6 +23,7 @@ use sqlx::PgPool;
 
 use super::tokens::TokenRecord;
 use super::DurableError;
+use crate::domain::AuditKind;
 
 /// What a journal entry reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,11 +35,11 @@ pub enum EntryKind {
 
 impl EntryKind {
     /// The kind of its audit row.
-    pub fn audit_kind(self) -> &'static str {
+    pub fn audit_kind(self) -> AuditKind {
         match self {
-            EntryKind::Consume => "token.consumed",
-            EntryKind::Result => "token.result",
-            EntryKind::Release => "token.released",
+            EntryKind::Consume => AuditKind::TokenConsumed,
+            EntryKind::Result => AuditKind::TokenResult,
+            EntryKind::Release => AuditKind::TokenReleased,
         }
     }
 }
@@ -234,7 +235,7 @@ impl<'a> Columns<'a> {
         self.issued.push(r.issued_at);
         self.expires.push(r.expires_at);
         self.gens.push(e.version.gen);
-        self.kinds.push(e.kind.audit_kind());
+        self.kinds.push(e.kind.audit_kind().as_str());
         self.ats.push(e.at);
         match &e.version.state {
             Decided::Issued => {

@@ -148,6 +148,8 @@ pub struct UsedBy {
     pub order_id: String,
     pub kind: Option<AuditKind>,
     pub request_id: Option<String>,
+    /// The event's amount (a refund's; the order's for pay and close).
+    pub amount_minor: i64,
 }
 
 /// What Postgres knows of a token presented for an order event.
@@ -180,6 +182,9 @@ fn usage_of(r: &PgRow) -> Result<TokenUsage, sqlx::Error> {
                 .map(event_kind)
                 .transpose()?,
             request_id: r.try_get("used_request_id")?,
+            amount_minor: r
+                .try_get::<Option<i64>, _>("used_amount")?
+                .unwrap_or_default(),
         }),
         None => None,
     };
@@ -207,7 +212,8 @@ pub async fn token_usage(
         r#"
         SELECT t.state = 'consumed' AS token_consumed, t.fingerprint AS token_fingerprint,
                coalesce(t.expires_at, $2) > now() AS token_live,
-               e.order_id AS used_order, e.kind::text AS used_kind, e.request_id AS used_request_id
+               e.order_id AS used_order, e.kind::text AS used_kind, e.request_id AS used_request_id,
+               e.amount_minor AS used_amount
           FROM (SELECT $1::bigint AS id) k
           LEFT JOIN tokens t ON t.id = k.id
           LEFT JOIN order_events e ON e.token_id = k.id
@@ -232,7 +238,8 @@ pub async fn lock(
                o.created_at, o.updated_at,
                t.state = 'consumed' AS token_consumed, t.fingerprint AS token_fingerprint,
                coalesce(t.expires_at, $3) > now() AS token_live,
-               e.order_id AS used_order, e.kind::text AS used_kind, e.request_id AS used_request_id
+               e.order_id AS used_order, e.kind::text AS used_kind, e.request_id AS used_request_id,
+               e.amount_minor AS used_amount
           FROM orders o
           LEFT JOIN tokens t ON t.id = $2
           LEFT JOIN order_events e ON e.token_id = $2
@@ -274,19 +281,20 @@ pub async fn write_event(
     tx: &mut Transaction<'_, Postgres>,
     r: &TokenRecord,
     w: &OrderChange<'_>,
-) -> Result<bool, DurableError> {
+) -> Result<Option<Claimed>, DurableError> {
     let row = sqlx::query(
         r#"
         WITH claim AS (
             INSERT INTO tokens AS t (id, token, biz_type, durability, subject, client, issued_at, expires_at,
-                                     state, consumed_at, fingerprint, request_id, order_id)
-            SELECT $1, $2, $3, $4::durability, $5, $6, $7, $8, 'consumed', now(), $9, $10, $11
+                                     state, gen, consumed_at, fingerprint, request_id, order_id)
+            SELECT $1, $2, $3, $4::durability, $5, $6, $7, $8, 'consumed', 1, now(), $9, $10, $11
              WHERE $8 > now()
             ON CONFLICT (id) DO UPDATE
-               SET state = 'consumed', consumed_at = now(), fingerprint = EXCLUDED.fingerprint,
-                   request_id = EXCLUDED.request_id, order_id = EXCLUDED.order_id
+               SET state = 'consumed', gen = t.gen + 1, consumed_at = now(),
+                   fingerprint = EXCLUDED.fingerprint, request_id = EXCLUDED.request_id,
+                   order_id = EXCLUDED.order_id
              WHERE t.state = 'issued' AND t.expires_at > now()
-            RETURNING t.consumed_at
+            RETURNING t.consumed_at, t.gen
         ), upd AS (
             UPDATE orders SET state = $12, refunded_minor = $13, updated_at = now()
              WHERE order_id = $11 AND EXISTS (SELECT 1 FROM claim)
@@ -302,7 +310,8 @@ pub async fn write_event(
                        'refunded_minor', $13, 'request_id', $10::text, 'fingerprint', $9::text, 'reason', $16::text))
               FROM ev
         )
-        SELECT (SELECT count(*) FROM claim) AS claimed, (SELECT count(*) FROM upd) AS updated
+        SELECT (SELECT consumed_at FROM claim) AS consumed_at, (SELECT gen FROM claim) AS gen,
+               (SELECT count(*) FROM upd) AS updated
         "#,
     )
     .bind(r.id)
@@ -323,7 +332,18 @@ pub async fn write_event(
     .bind(w.reason)
     .fetch_one(&mut **tx)
     .await?;
-    let claimed: i64 = row.try_get("claimed")?;
+    let consumed_at: Option<DateTime<Utc>> = row.try_get("consumed_at")?;
+    let gen: Option<i64> = row.try_get("gen")?;
     let updated: i64 = row.try_get("updated")?;
-    Ok(claimed == 1 && updated == 1)
+    Ok(match (consumed_at, gen, updated) {
+        (Some(consumed_at), Some(gen), 1) => Some(Claimed { consumed_at, gen }),
+        _ => None,
+    })
+}
+
+/// The token an order event consumed: when, and the generation it is at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Claimed {
+    pub consumed_at: DateTime<Utc>,
+    pub gen: i64,
 }

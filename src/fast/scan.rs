@@ -33,12 +33,15 @@ impl KeyRead {
     /// The key's generation: its `g` field, or for a key written before
     /// generations what its state stands for (consumed 1, otherwise 0); -1
     /// for a missing key (older than any).
+    /// A stored generation that contradicts the state (odd means consumed)
+    /// is not trusted either, as in the scripts.
     pub fn gen(&self) -> i64 {
+        let consumed = self.state == KeyState::Consumed;
         match (self.stored_gen, self.state) {
-            (Some(g), _) => g,
-            (None, KeyState::Missing) => -1,
-            (None, KeyState::Consumed) => 1,
-            (None, _) => 0,
+            (Some(g), _) if (g % 2 == 1) == consumed => g,
+            (_, KeyState::Missing) => -1,
+            (_, KeyState::Consumed) => 1,
+            (_, _) => 0,
         }
     }
 }

@@ -303,6 +303,11 @@ pub async fn result(
     JsonBody(body): JsonBody<ResultRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let subject = parse(Subject::parse(&body.subject))?;
+    if crate::domain::json_holds_nul(&body.result) {
+        return Err(ApiError::invalid(
+            "`result` may not hold U+0000 in any string or key (Postgres cannot store it)",
+        ));
+    }
     let token = path_token(&token)?;
     let answer = state
         .ledger

@@ -15,7 +15,7 @@ use crate::config::Durability;
 use crate::domain::{Fingerprint, RequestId};
 use crate::durable::tokens::{self, ConsumeRow, Existing, TokenRecord, TokenState};
 use crate::durable::{timed, DurableError};
-use crate::fast::{Attempt, ConsumeMode, FastError, Marker, ScriptOutcome};
+use crate::fast::{Attempt, ConsumeMode, FastError, KeyVersion, Marker, ScriptOutcome};
 use crate::journal;
 use crate::token::VerifiedToken;
 
@@ -99,16 +99,17 @@ impl Ledger {
     }
 
     /// The one Postgres statement of a consume that reaches Postgres
-    /// (`tokens::consume`), timed and bounded like every payment-path call.
+    /// (`tokens::consume_versioned`), timed and bounded like every
+    /// payment-path call: the row and the generation the token is at.
     pub(super) async fn consume_in_postgres(
         &self,
         record: &TokenRecord,
         attempt: &Attempt<'_>,
-    ) -> Result<ConsumeRow, DurableError> {
+    ) -> Result<(ConsumeRow, i64), DurableError> {
         timed(
             &self.metrics,
             "consume",
-            self.pools.bounded(tokens::consume(
+            self.pools.bounded(tokens::consume_versioned(
                 &self.pools.hot,
                 record,
                 attempt.fingerprint,
@@ -116,6 +117,38 @@ impl Ledger {
             )),
         )
         .await
+    }
+
+    /// What a durable token's consumed marker may answer without Postgres.
+    /// Redis never decides a durable consume, and a marker may be stale (a
+    /// release lost in a failover, a write-back that lost a race), so only a
+    /// plain `duplicate` is answered from it: with its result, or, without
+    /// one, while the marker is younger than `redis.processing_trust` (the
+    /// double clicks of one consume). The winner's retry (its `request_id`)
+    /// and a fingerprint mismatch are confirmed by Postgres, and so is
+    /// `processing` from an older marker, so that a result whose write to
+    /// Redis failed is still answered.
+    fn durable_marker_answer(
+        &self,
+        m: &Marker,
+        version: KeyVersion,
+        input: &ConsumeInput,
+    ) -> MarkerAnswer {
+        let prior = Prior::from_marker(m);
+        let mismatch = matches!((&prior.fingerprint, &input.fingerprint), (Some(a), Some(b)) if a != b.as_str());
+        if same_request(&prior, input) || mismatch {
+            return MarkerAnswer::AskPostgres;
+        }
+        let Ok(Some(answer)) = classify(&prior, input, false, self.clock.now()) else {
+            return MarkerAnswer::AskPostgres;
+        };
+        if prior.result.is_some()
+            || version.now_ms - m.at_ms < ms(self.settings.redis.processing_trust)
+        {
+            MarkerAnswer::Answer(answer)
+        } else {
+            MarkerAnswer::UnlessPostgresSays(answer)
+        }
     }
 
     async fn consume_durable(
@@ -136,6 +169,8 @@ impl Ledger {
             ConsumeMode::Durable
         };
         let mut claimed = false;
+        // A marker's own answer, kept for when Postgres cannot be asked.
+        let mut fallback = None;
         let reply = if self.fast.health().bypass() {
             self.metrics
                 .redis_bypass
@@ -144,45 +179,50 @@ impl Ledger {
             Err(FastError::Down)
         } else {
             self.fast
-                .consume(&token.text, mode, &attempt, self.provisional_ms(), &[])
+                .consume_versioned(&token.text, mode, &attempt, self.provisional_ms(), &[])
                 .await
         };
         match reply {
-            Ok(ScriptOutcome::Consumed(m)) => {
-                if let Some(answer) =
-                    classify(&Prior::from_marker(&m), input, false, self.clock.now())?
-                {
-                    return Ok(answer);
+            Ok((ScriptOutcome::Consumed(m), version)) => {
+                match self.durable_marker_answer(&m, version, input) {
+                    MarkerAnswer::Answer(answer) => return Ok(answer),
+                    MarkerAnswer::UnlessPostgresSays(answer) => fallback = Some(answer),
+                    MarkerAnswer::AskPostgres => {}
                 }
             }
             // Another attempt is in flight. Racing copies of one request id
             // go to Postgres, which decides which copy answers first (the
             // others replay it); see `classify` for the rest.
-            Ok(ScriptOutcome::Provisional(m)) => {
+            Ok((ScriptOutcome::Provisional(m), _)) => {
                 if let Some(answer) =
                     classify(&Prior::from_marker(&m), input, true, self.clock.now())?
                 {
                     return Ok(answer);
                 }
             }
-            Ok(ScriptOutcome::Claimed) => claimed = true,
-            Ok(ScriptOutcome::Won { .. } | ScriptOutcome::Miss | ScriptOutcome::Issued) => {}
+            Ok((ScriptOutcome::Claimed, _)) => claimed = true,
+            Ok((ScriptOutcome::Won { .. } | ScriptOutcome::Miss | ScriptOutcome::Issued, _)) => {}
             Err(FastError::Down) => {}
             // The script may have run and left a provisional marker: it
             // expires. Postgres decides either way.
             Err(e) => tracing::debug!(error = %e, "redis failed; postgres decides alone"),
         }
         let row = self.consume_in_postgres(record, &attempt).await;
-        let row = match row {
+        let (row, gen) = match row {
             Ok(r) => r,
             Err(e) => {
                 if claimed {
                     self.spawn_unclaim(token, owner.clone());
                 }
+                // Postgres unreachable: a plain duplicate is still answered
+                // from Redis's marker (fail closed: nothing is consumed).
+                if let (Some(answer), true) = (fallback, e.is_unavailable()) {
+                    return Ok(answer);
+                }
                 return Err(LedgerError::postgres(e));
             }
         };
-        self.settle_row(token, &row, claimed.then_some(owner.clone()), &attempt);
+        self.settle_row(token, &row, gen, claimed.then_some(owner.clone()), &attempt);
         answer_from_row(&row, input, self.clock.now())
     }
 
@@ -255,11 +295,11 @@ impl Ledger {
             return self.expired_fast(record, input).await;
         }
         // Redis lost the key or never had it: Postgres decides.
-        let row = self
+        let (row, gen) = self
             .consume_in_postgres(record, &attempt)
             .await
             .map_err(LedgerError::postgres)?;
-        self.settle_row(token, &row, None, &attempt);
+        self.settle_row(token, &row, gen, None, &attempt);
         answer_from_row(&row, input, self.clock.now())
     }
 
@@ -307,36 +347,34 @@ impl Ledger {
         }
     }
 
-    /// Writes a consumed marker to Redis off the answer's path (queued for
-    /// later when Redis is down). `owner`: our provisional marker, if we set one.
-    pub fn settle_consumed_in_background(
-        &self,
-        token: &str,
-        owner: Option<String>,
-        marker: Marker,
-    ) {
+    /// Writes Postgres's consumed state at generation `gen` to Redis off the
+    /// answer's path (queued for later when Redis cannot be written). The
+    /// write applies only over an older generation, so a late or repeated
+    /// one never undoes a release or a newer consume.
+    pub(super) fn settle_consumed_in_background(&self, token: &str, gen: i64, marker: Marker) {
         let fast = self.fast.clone();
         let text = token.to_owned();
         let resync = self.resync.clone();
         tokio::spawn(async move {
-            if let Err(e) = fast
-                .settle_consumed(&text, owner.as_deref(), &marker, false)
-                .await
-            {
+            if let Err(e) = fast.write_consumed(&text, gen, &marker).await {
                 tracing::debug!(error = %e, "consumed marker not written to redis; queued");
                 resync.push(Resync::Consumed {
                     token: text,
+                    gen,
                     marker,
                 });
             }
         });
     }
 
-    /// Tells Redis what Postgres decided, off the answer's path.
+    /// Tells Redis what Postgres decided (the row, at generation `gen`), off
+    /// the answer's path. `owner`: our provisional marker, if we set one,
+    /// given back when Postgres did not consume the token.
     pub(super) fn settle_row(
         &self,
         token: &VerifiedToken,
         row: &ConsumeRow,
+        gen: i64,
         owner: Option<String>,
         attempt: &Attempt<'_>,
     ) {
@@ -346,7 +384,7 @@ impl Ledger {
             }
             return;
         };
-        self.settle_consumed_in_background(&token.text, owner, marker);
+        self.settle_consumed_in_background(&token.text, gen, marker);
     }
 
     pub(super) fn spawn_unclaim(&self, token: &VerifiedToken, owner: String) {
@@ -358,6 +396,16 @@ impl Ledger {
             let _ = fast.unclaim(&text, &owner, remaining).await;
         });
     }
+}
+
+/// What a durable consumed marker answers (see `durable_marker_answer`).
+enum MarkerAnswer {
+    /// This, without Postgres.
+    Answer(ConsumeAnswer),
+    /// Postgres decides; this, if Postgres cannot be reached.
+    UnlessPostgresSays(ConsumeAnswer),
+    /// Postgres decides.
+    AskPostgres,
 }
 
 fn same_request(prior: &Prior, input: &ConsumeInput) -> bool {

@@ -71,6 +71,7 @@ impl Ledger {
     ) -> Ledger {
         let bloom = Arc::new(IssuedFilter::new(settings.bloom.clone(), metrics.clone()));
         Ledger {
+            resync: Arc::new(ResyncQueue::new(metrics.resync_depth.clone())),
             fallback: Fallback::new(&settings.redis),
             limiters: IssueLimits::new(&settings),
             bloom,
@@ -82,7 +83,6 @@ impl Ledger {
             pools,
             metrics,
             writer,
-            resync: Arc::new(ResyncQueue::default()),
         }
     }
 

@@ -10,30 +10,37 @@ use std::time::Duration;
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 
 use super::consume::{answer_from_row, classify, Prior};
-use super::core::ms_to_time;
+use super::core::{ms, ms_to_time};
 use super::{ConsumeAnswer, ConsumeInput, DuplicateStatus, Ledger, LedgerError};
 use crate::config::RedisSettings;
 use crate::durable::tokens::TokenRecord;
-use crate::fast::{Attempt, Marker};
+use crate::fast::{Attempt, ConsumeMode, Marker, ScriptOutcome};
 use crate::health::Mode;
 use crate::journal;
 use crate::token::VerifiedToken;
 
 /// A write to Redis that could not be made while it was down, replayed when
 /// it is back (so that a fast token consumed through Postgres meanwhile does
-/// not look fresh to Redis afterwards).
+/// not look fresh to Redis afterwards). Each carries the generation Postgres
+/// decided at, so a replay never writes over a newer state (a release or a
+/// consume that happened meanwhile elsewhere).
 #[derive(Debug, Clone)]
 pub(super) enum Resync {
+    /// Postgres consumed the token at `gen` (with the result, once recorded).
     Consumed {
         token: String,
+        gen: i64,
         marker: Marker,
     },
-    Forget {
+    /// Postgres released the token: issued at `gen` until `expires_at_ms`.
+    Issued {
         token: String,
+        gen: i64,
+        expires_at_ms: i64,
     },
     /// A fast consume this instance decided alone (Redis and Postgres both
-    /// down): the consumed marker, then the journal entry that carries it to
-    /// Postgres.
+    /// down, so no generation is known): replayed through the consume script,
+    /// which decides it against whatever Redis holds now and journals it.
     FastConsumed {
         token: String,
         marker: Marker,
@@ -115,11 +122,11 @@ impl Ledger {
         }
         let row = self.consume_in_postgres(record, attempt).await;
         match row {
-            Ok(row) => {
+            Ok((row, gen)) => {
                 if let Some(m) = self.marker_of(&row, attempt) {
                     self.fallback.consumed.insert(record.id, m);
                 }
-                self.settle_row(token, &row, None, attempt);
+                self.settle_row(token, &row, gen, None, attempt);
                 answer_from_row(&row, input, self.clock.now())
             }
             Err(e) if e.is_unavailable() => {
@@ -159,8 +166,7 @@ impl Ledger {
                 },
             ));
         }
-        let mut journal = journal::consume_fields(record, attempt.request_id, attempt.fingerprint);
-        journal.push(("at", marker.at_ms.to_string()));
+        let journal = journal::consume_fields(record, attempt.request_id, attempt.fingerprint);
         let queued = self.resync.push(Resync::FastConsumed {
             token: token.text.clone(),
             marker: marker.clone(),
@@ -196,24 +202,34 @@ impl Ledger {
                     break 0;
                 };
                 let done = match &item {
-                    Resync::Consumed { token, marker } => {
-                        self.fast.settle_consumed(token, None, marker, true).await
+                    Resync::Consumed { token, gen, marker } => self
+                        .fast
+                        .write_consumed(token, *gen, marker)
+                        .await
+                        .map(|_| ()),
+                    Resync::Issued {
+                        token,
+                        gen,
+                        expires_at_ms,
+                    } => {
+                        let remaining = expires_at_ms - self.clock.now_ms();
+                        self.fast
+                            .write_issued(token, *gen, remaining)
+                            .await
+                            .map(|_| ())
                     }
-                    Resync::Forget { token } => self.fast.forget(token).await,
                     Resync::FastConsumed {
                         token,
                         marker,
                         journal,
-                    } => match self.fast.settle_consumed(token, None, marker, true).await {
-                        Ok(()) => self.fast.append_journal(journal).await,
-                        Err(e) => Err(e),
-                    },
+                    } => self.replay_fast_consume(token, marker, journal).await,
                 };
                 if done.is_err() {
                     break self.resync.put_back(item);
                 }
                 replayed += 1;
             };
+        // The queue keeps the gauge; the cluster journal backlog adds to it.
         self.metrics.resync_depth.set(left as i64);
         if replayed > 0 {
             tracing::info!(
@@ -229,36 +245,89 @@ impl Ledger {
         left
     }
 
+    /// Replays a fast consume this instance decided alone. The consume
+    /// script decides it against what Redis holds now: over a live token it
+    /// wins (at the next generation, journaled by the script); over a
+    /// consumed one nothing is written (that consume stands). Over a missing
+    /// key no generation is known: the marker is written at generation 1 and
+    /// the journal entry carries none, so Postgres applies it as a consume of
+    /// an issued token, at whatever generation Postgres holds it.
+    async fn replay_fast_consume(
+        &self,
+        token: &str,
+        marker: &Marker,
+        journal: &[(&'static str, String)],
+    ) -> Result<(), crate::fast::FastError> {
+        let attempt = Attempt {
+            owner: "",
+            request_id: marker.request_id.as_deref(),
+            fingerprint: marker.fingerprint.as_deref(),
+        };
+        let provisional = ms(self.settings.tokens.provisional_ttl);
+        let (outcome, _) = self
+            .fast
+            .consume_versioned(token, ConsumeMode::Fast, &attempt, provisional, journal)
+            .await?;
+        match outcome {
+            ScriptOutcome::Miss => {
+                self.fast.write_consumed(token, 1, marker).await?;
+                let mut entry = journal.to_vec();
+                entry.push((journal::AT, marker.at_ms.to_string()));
+                self.fast.append_journal(&entry).await
+            }
+            ScriptOutcome::Won { .. }
+            | ScriptOutcome::Consumed(_)
+            | ScriptOutcome::Provisional(_)
+            | ScriptOutcome::Claimed
+            | ScriptOutcome::Issued => Ok(()),
+        }
+    }
+
     /// Redis writes waiting for Redis.
     pub fn resync_pending(&self) -> usize {
         self.resync.len()
     }
 }
 
-/// Redis writes waiting for Redis, oldest first, at most `RESYNC_LIMIT`.
-#[derive(Debug, Default)]
-pub(super) struct ResyncQueue(Mutex<VecDeque<Resync>>);
+/// Redis writes waiting for Redis, oldest first, at most `RESYNC_LIMIT`;
+/// their number is the gauge `ledger_redis_resync_depth`.
+#[derive(Debug)]
+pub(super) struct ResyncQueue {
+    queue: Mutex<VecDeque<Resync>>,
+    depth: prometheus::IntGauge,
+}
 
 impl ResyncQueue {
-    /// Queues a write for Redis; `false` when the queue is full.
-    pub(super) fn push(&self, item: Resync) -> bool {
-        let mut q = self.lock();
-        if q.len() < RESYNC_LIMIT {
-            q.push_back(item);
-            true
-        } else {
-            false
+    pub(super) fn new(depth: prometheus::IntGauge) -> ResyncQueue {
+        ResyncQueue {
+            queue: Mutex::default(),
+            depth,
         }
     }
 
+    /// Queues a write for Redis; `false` when the queue is full.
+    pub(super) fn push(&self, item: Resync) -> bool {
+        let mut q = self.lock();
+        let queued = q.len() < RESYNC_LIMIT;
+        if queued {
+            q.push_back(item);
+        }
+        self.depth.set(q.len() as i64);
+        queued
+    }
+
     fn pop(&self) -> Option<Resync> {
-        self.lock().pop_front()
+        let mut q = self.lock();
+        let item = q.pop_front();
+        self.depth.set(q.len() as i64);
+        item
     }
 
     /// Puts a write that failed back in front; returns how many wait.
     fn put_back(&self, item: Resync) -> usize {
         let mut q = self.lock();
         q.push_front(item);
+        self.depth.set(q.len() as i64);
         q.len()
     }
 
@@ -267,6 +336,6 @@ impl ResyncQueue {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Resync>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 }

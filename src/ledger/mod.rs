@@ -3,14 +3,21 @@
 //!
 //! 1. verify the token (tag, binding, biz type) and ask the fleet's filter of
 //!    issued ids ([`crate::bloom`]) whether it was ever issued: no I/O;
-//! 2. Redis, one script: a consumed marker answers `duplicate` at once; for a
-//!    durable type an unconsumed token gets a provisional marker (ours, with a
-//!    deadline) and Postgres decides; for a fast type Redis decides;
+//! 2. Redis, one script: a consumed marker answers `duplicate` at once (for
+//!    a durable type only a plain duplicate, and without a result only while
+//!    the marker is younger than `redis.processing_trust`; the winner's retry
+//!    is confirmed by Postgres); for a durable type an unconsumed token gets a
+//!    provisional marker (ours, with a deadline) and Postgres decides; for a
+//!    fast type Redis decides, at the next generation;
 //! 3. Postgres, one statement (durable types, or when Redis does not know the
-//!    token): the primary key decides first use, `now()` decides expiry;
-//! 4. Redis learns the decision afterwards, off the answer's path. A
-//!    provisional marker past its deadline counts as absent, so a crash
-//!    between 2 and 4 never burns a token.
+//!    token): the primary key decides first use, `now()` decides expiry, and
+//!    the token moves to its next generation;
+//! 4. Redis learns the decision afterwards, off the answer's path, at the
+//!    generation Postgres decided: a write-back applies only over an older
+//!    generation. A provisional marker past its deadline counts as absent, so
+//!    a crash between 2 and 4 never burns a token.
+//!
+//! A result is written to Redis before its answer (read your writes).
 //!
 //! Degraded modes ([`crate::health`]): while Redis is slow a sample of durable
 //! consumes skips step 2; while it is down durable consumes skip it, and fast

@@ -72,23 +72,23 @@ impl Ledger {
         change: &OrderChange<'_>,
     ) -> Result<bool, DurableError> {
         let record = self.record_for(&token.token, token.durability, caller, subject);
-        let applied = timed(
+        let claimed = timed(
             &self.metrics,
             "order_event",
             sql::write_event(&mut tx, &record, change),
         )
         .await?;
-        if !applied {
+        let Some(claimed) = claimed else {
             drop(tx);
             return Ok(false);
-        }
+        };
         tx.commit().await.map_err(DurableError::from)?;
         self.count_consume(&token.token.claims.biz_type, ConsumeOutcome::Consumed);
         self.settle_consumed_in_background(
             &token.token.text,
-            None,
+            claimed.gen,
             Marker {
-                at_ms: self.clock.now_ms(),
+                at_ms: claimed.consumed_at.timestamp_millis(),
                 request_id: change.request_id.map(str::to_owned),
                 fingerprint: change.fingerprint.map(str::to_owned),
                 result: None,

@@ -1,17 +1,39 @@
 //! Result and release of a consumed token: Redis decides for fast types
 //! (the journal carries it to Postgres), Postgres for durable ones.
+//!
+//! Read your writes: a result recorded in Postgres is written to Redis
+//! (the consumed marker at its generation, result included) before the
+//! answer, so every later duplicate, on any instance, answers `completed`.
+//! When that write fails, the answer waits until the token's consume is
+//! older than `redis.processing_trust`: from then on a marker without a
+//! result no longer answers `processing` alone (Postgres is asked), and the
+//! write is queued for when Redis answers.
+
+use std::time::Duration;
 
 use serde_json::Value as Json;
 
+use super::core::ms;
 use super::degraded::Resync;
 use super::{Ledger, LedgerError, ResultAnswer};
 use crate::auth::Client;
 use crate::config::Durability;
 use crate::domain::Subject;
 use crate::durable::timed;
-use crate::durable::tokens::{self, ReleaseRow, ResultRow, TokenState};
-use crate::fast::{FastError, FastWrite};
+use crate::durable::tokens::{self, Existing, ReleaseRow, ResultDecided, TokenState};
+use crate::fast::{FastError, FastWrite, Marker};
 use crate::journal;
+use crate::token::VerifiedToken;
+
+/// The consumed marker of a Postgres row (its result included).
+fn marker_of_row(e: &Existing) -> Marker {
+    Marker {
+        at_ms: e.consumed_at.map(|t| t.timestamp_millis()).unwrap_or(0),
+        request_id: e.request_id.clone(),
+        fingerprint: e.fingerprint.clone(),
+        result: e.result.as_ref().map(Json::to_string),
+    }
+}
 
 impl Ledger {
     // ---- result -----------------------------------------------------------
@@ -28,7 +50,8 @@ impl Ledger {
         let id = token.claims.id.as_i64();
         let encoded = result.to_string();
         if settings.durability == Durability::Fast {
-            let fields = journal::result_fields(id, &encoded);
+            let record = self.record_for(&token, settings.durability, caller, subject);
+            let fields = journal::result_fields_for(&record, &encoded);
             match self
                 .fast
                 .fast_write(&token.text, "result", encoded.clone(), &fields)
@@ -52,25 +75,54 @@ impl Ledger {
             &self.metrics,
             "result",
             self.pools
-                .bounded(tokens::set_result(&self.pools.hot, id, result)),
+                .bounded(tokens::set_result_versioned(&self.pools.hot, id, result)),
         )
         .await
         .map_err(LedgerError::postgres)?;
         match row {
-            ResultRow::Recorded => {
-                let fast = self.fast.clone();
-                let text = token.text.clone();
-                tokio::spawn(async move {
-                    let _ = fast.settle_result(&text, &encoded).await;
-                });
+            ResultDecided::Recorded(e) => {
+                self.result_to_redis(&token, &e).await;
                 Ok(ResultAnswer::Recorded)
             }
-            ResultRow::Existing(e) if e.state == TokenState::Consumed => match &e.result {
-                Some(stored) if stored == result => Ok(ResultAnswer::AlreadyRecorded),
+            ResultDecided::Existing(e) if e.state == TokenState::Consumed => match &e.result {
+                Some(stored) if stored == result => {
+                    // Heals a marker whose earlier write failed, off the path.
+                    let fast = self.fast.clone();
+                    let (text, gen, marker) = (token.text.clone(), e.gen, marker_of_row(&e));
+                    tokio::spawn(async move {
+                        let _ = fast.write_consumed(&text, gen, &marker).await;
+                    });
+                    Ok(ResultAnswer::AlreadyRecorded)
+                }
                 Some(_) => Err(LedgerError::ResultAlreadySet),
                 None => Err(LedgerError::NotConsumed),
             },
-            ResultRow::Existing(_) | ResultRow::Unknown => Err(LedgerError::NotConsumed),
+            ResultDecided::Existing(_) | ResultDecided::Unknown => Err(LedgerError::NotConsumed),
+        }
+    }
+
+    /// Writes a result Postgres recorded to Redis before the answer (see the
+    /// module docs); when that fails, queues it and waits out the trust in a
+    /// marker without a result.
+    async fn result_to_redis(&self, token: &VerifiedToken, e: &Existing) {
+        let marker = marker_of_row(e);
+        match self.fast.write_consumed(&token.text, e.gen, &marker).await {
+            Ok(_) => {}
+            Err(err) => {
+                tracing::debug!(error = %err, "result not written to redis; queued, waiting out the marker's trust");
+                self.resync.push(Resync::Consumed {
+                    token: token.text.clone(),
+                    gen: e.gen,
+                    marker: marker.clone(),
+                });
+                let trust = ms(self.settings.redis.processing_trust);
+                // A little beyond the trust, for the clocks of Postgres
+                // (consumed_at) and Redis (which judges the marker's age).
+                let wait = marker.at_ms + trust + 50 - self.clock.now_ms();
+                if wait > 0 {
+                    tokio::time::sleep(Duration::from_millis(wait.unsigned_abs())).await;
+                }
+            }
         }
     }
 
@@ -85,9 +137,11 @@ impl Ledger {
     ) -> Result<(), LedgerError> {
         let (token, settings) = self.authorize(caller, text, subject, None)?;
         let id = token.claims.id.as_i64();
-        let remaining = token.claims.expires_at_ms() - self.clock.now_ms();
+        let expires_at_ms = token.claims.expires_at_ms();
+        let remaining = expires_at_ms - self.clock.now_ms();
         if settings.durability == Durability::Fast {
-            let fields = journal::release_fields(id);
+            let record = self.record_for(&token, settings.durability, caller, subject);
+            let fields = journal::release_fields_for(&record);
             match self
                 .fast
                 .fast_write(&token.text, "release", remaining.to_string(), &fields)
@@ -109,20 +163,11 @@ impl Ledger {
             }
         } else {
             // Durable: drop Redis's marker first, so that whatever happens
-            // next, Postgres answers for this token.
+            // next, Postgres answers for this token. While Redis is down
+            // there is nothing to drop now: the issued state is written
+            // when it is back (below).
             match self.fast.forget(&token.text).await {
-                Ok(()) => {}
-                Err(FastError::Down) => {
-                    if !self.resync.push(Resync::Forget {
-                        token: token.text.clone(),
-                    }) {
-                        return Err(LedgerError::Unavailable {
-                            what: "redis",
-                            retry_after_secs: 1,
-                            source: None,
-                        });
-                    }
-                }
+                Ok(()) | Err(FastError::Down) => {}
                 Err(e) => {
                     return Err(LedgerError::Unavailable {
                         what: "redis",
@@ -140,13 +185,21 @@ impl Ledger {
         .await
         .map_err(LedgerError::postgres)?;
         match row {
-            ReleaseRow::Released { .. } => {
-                // Redis holds `issued` again, so that a consumed marker written
-                // late by a consume that raced this release is refused.
+            ReleaseRow::Released { gen, .. } => {
+                // Redis holds `issued` at the new generation, so that a
+                // consumed marker written late by the consume this release
+                // undid (an older generation) is refused.
                 let fast = self.fast.clone();
+                let resync = self.resync.clone();
                 let text = token.text.clone();
                 tokio::spawn(async move {
-                    let _ = fast.set_issued(&text, remaining).await;
+                    if fast.write_issued(&text, gen, remaining).await.is_err() {
+                        resync.push(Resync::Issued {
+                            token: text,
+                            gen,
+                            expires_at_ms,
+                        });
+                    }
                 });
                 Ok(())
             }

@@ -45,6 +45,8 @@ local h = redis.call('HMGET', key, 's', 'd', 'at', 'rid', 'fp', 'res', 'g', 'o')
 local s = h[1]
 local ours = ARGV[2] ~= '' and h[8] == ARGV[2]
 local g = tonumber(h[7])
+-- A generation that contradicts the state (odd means consumed) is not trusted.
+if g and ((g % 2 == 1) ~= (s == 'c')) then g = nil end
 if not g then
   if s == 'c' then g = 1 elseif s then g = 0 else g = -1 end
 end

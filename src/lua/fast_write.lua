@@ -22,6 +22,8 @@ local h = redis.call('HMGET', key, 's', 'res', 'ord', 'g', 'at', 'rid', 'fp')
 local s = h[1]
 if not s then return {'miss', ''} end
 local g = tonumber(h[4])
+-- A generation that contradicts the state (odd means consumed) is not trusted.
+if g and ((g % 2 == 1) ~= (s == 'c')) then g = nil end
 if not g then
   if s == 'c' then g = 1 else g = 0 end
 end

@@ -28,6 +28,8 @@ local ttl = tonumber(ARGV[3])
 local h = redis.call('HMGET', key, 's', 'g', 'res', 'o')
 local s = h[1]
 local g = tonumber(h[2])
+-- A generation that contradicts the state (odd means consumed) is not trusted.
+if g and ((g % 2 == 1) ~= (s == 'c')) then g = nil end
 if not g then
   if s == 'c' then g = 1 elseif s then g = 0 else g = -1 end
 end

@@ -60,6 +60,8 @@ fn ops() -> impl Strategy<Value = (i64, Vec<(Kind, Tok)>)> {
 enum Expect {
     Applied(State, i64),
     Duplicate,
+    /// The same token for the same event with another amount: 422, nothing changed.
+    Mismatch,
     Error(&'static str),
 }
 
@@ -106,7 +108,7 @@ async fn run_case(
     prop_assert_eq!(r.status(), StatusCode::CREATED);
     let (mut state, mut refunded) = (State::Created, 0i64);
     // Tokens seen in this case, with the event each applied (if any).
-    let mut seen: Vec<(String, Option<&'static str>)> = Vec::new();
+    let mut seen: Vec<(String, Option<Kind>)> = Vec::new();
     for (kind, tok) in steps {
         let (token, applied_as) = match tok {
             Tok::Again(i) if !seen.is_empty() => seen[i % seen.len()].clone(),
@@ -130,7 +132,8 @@ async fn run_case(
         )
         .await;
         let expect = match applied_as {
-            Some(k) if k == kind_name(kind) => Expect::Duplicate,
+            Some(Kind::Refund(a)) if matches!(kind, Kind::Refund(b) if a != b) => Expect::Mismatch,
+            Some(k) if kind_name(k) == kind_name(kind) => Expect::Duplicate,
             Some(_) => Expect::Error("token_already_used"),
             None => model(state, amount, refunded, kind),
         };
@@ -143,7 +146,7 @@ async fn run_case(
                 refunded = r;
                 for s in seen.iter_mut() {
                     if s.0 == token {
-                        s.1 = Some(kind_name(kind));
+                        s.1 = Some(kind);
                     }
                 }
             }
@@ -151,6 +154,16 @@ async fn run_case(
                 prop_assert_eq!(status, StatusCode::OK, "{:?}: {}", kind, b);
                 prop_assert_eq!(b["outcome"].as_str(), Some("duplicate"));
                 prop_assert!(replayed);
+            }
+            Expect::Mismatch => {
+                prop_assert_eq!(
+                    status,
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "{:?}: {}",
+                    kind,
+                    b
+                );
+                prop_assert_eq!(b["error"].as_str(), Some("fingerprint_mismatch"));
             }
             Expect::Error(code) => {
                 prop_assert_eq!(status, StatusCode::CONFLICT, "{:?}: {}", kind, b);
