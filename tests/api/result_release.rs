@@ -265,10 +265,27 @@ async fn release_racing_duplicates_never_leaves_a_false_duplicate() {
             consumed_by_racers += usize::from(r.await.unwrap());
         }
         assert!(consumed_by_racers <= 1, "round {round}");
-        // Wait for the release's background write to Redis (`issued`) to
-        // land, then ask again. A racer that won in Postgres never writes its
-        // consumed marker over it (the next consume goes on to Postgres).
-        wait_redis_state(&redis, &app.token_key(&token), "i", 5).await;
+        // Wait for the release's background write to Redis (`issued` at
+        // generation 2) to land, then ask again. A racer that won in Postgres
+        // after the release (generation 3) writes its consumed marker over
+        // it; the first consume's marker (generation 1) never does.
+        let key = app.token_key(&token);
+        eventually(5, || {
+            let mut redis = redis.clone();
+            let key = key.clone();
+            async move {
+                let (s, g): (Option<String>, Option<i64>) = redis::cmd("HMGET")
+                    .arg(&key)
+                    .arg("s")
+                    .arg("g")
+                    .query_async(&mut redis)
+                    .await
+                    .ok()?;
+                matches!((s.as_deref(), g), (Some("i"), Some(2)) | (Some("c"), Some(3)))
+                    .then_some(())
+            }
+        })
+        .await;
         let (_, _, b) = answer(
             app.consume(
                 PAYMENTS,
