@@ -95,6 +95,7 @@ pub enum ClientCommand {
 
 /// Runs one command; the exit codes are in the module's documentation.
 pub fn run(cli: Cli) -> ExitCode {
+    crate::tls::install_provider();
     let file = cli.config.as_deref();
     // Commands that need no runtime, no logs, and (for `client new`) not even
     // a valid configuration.

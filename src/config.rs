@@ -125,6 +125,7 @@ struct RawRedis {
     degraded_sample: f64,
     fallback_rate: String,
     fallback_capacity: u64,
+    ca_file: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -327,6 +328,23 @@ pub struct RedisSettings {
     pub fallback_rate: NonZeroU32,
     /// Fast tokens this instance remembers as consumed while Redis is down.
     pub fallback_capacity: u64,
+    /// `redis.ca_file`: the CA that verifies `rediss://` servers instead of
+    /// the system's roots.
+    pub ca: Option<CaFile>,
+}
+
+/// A CA file's path and its PEM text, read (and checked) when the
+/// configuration loads.
+#[derive(Clone, PartialEq, Eq)]
+pub struct CaFile {
+    pub path: std::path::PathBuf,
+    pub pem: Vec<u8>,
+}
+
+impl fmt::Debug for CaFile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CaFile").field("path", &self.path).finish()
+    }
 }
 
 /// A signing key. The secret never appears in `Debug` output.
@@ -732,6 +750,7 @@ impl Raw {
         {
             return Err(invalid("postgres.url", "expected a postgres:// URL"));
         }
+        crate::tls::PgTls::from_url(&self.postgres.url).map_err(|e| invalid("postgres.url", e))?;
         if self.postgres.pool_size == 0 || self.postgres.admin_pool_size == 0 {
             return Err(invalid(
                 "postgres.pool_size",
@@ -778,11 +797,16 @@ impl Raw {
             _ => return Err(invalid("redis.url", "set redis.url or redis.cluster_nodes")),
         };
         let check_url = |key: &str, url: &str| {
-            if url.starts_with("redis://") || url.starts_with("rediss://") {
-                Ok(())
-            } else {
-                Err(invalid(key, "expected a redis:// URL"))
+            if !url.starts_with("redis://") && !url.starts_with("rediss://") {
+                return Err(invalid(key, "expected a redis:// or rediss:// URL"));
             }
+            if url.ends_with("#insecure") {
+                return Err(invalid(
+                    key,
+                    "#insecure (no certificate check) is not supported; name a private CA with redis.ca_file",
+                ));
+            }
+            Ok(())
         };
         match &topology {
             RedisTopology::Standalone(url) => check_url("redis.url", url)?,
@@ -792,6 +816,27 @@ impl Raw {
                 }
             }
         }
+        let tls_urls = match &topology {
+            RedisTopology::Standalone(url) => url.starts_with("rediss://"),
+            RedisTopology::Cluster(nodes) => nodes.iter().any(|n| n.starts_with("rediss://")),
+        };
+        let ca = match self.redis.ca_file.filter(|f| !f.is_empty()) {
+            None => None,
+            Some(_) if !tls_urls => {
+                return Err(invalid(
+                    "redis.ca_file",
+                    "set, but no rediss:// URL would use it (redis.url or redis.cluster_nodes)",
+                ))
+            }
+            Some(file) => {
+                let path = std::path::PathBuf::from(&file);
+                let pem = std::fs::read(&path)
+                    .map_err(|e| invalid("redis.ca_file", format!("cannot read {file}: {e}")))?;
+                crate::tls::parse_certs(&pem)
+                    .map_err(|e| invalid("redis.ca_file", format!("{file}: {e}")))?;
+                Some(CaFile { path, pem })
+            }
+        };
         if self.redis.connections == 0 {
             return Err(invalid("redis.connections", "must be at least 1"));
         }
@@ -811,6 +856,7 @@ impl Raw {
             degraded_sample: self.redis.degraded_sample,
             fallback_rate: parse_rate("redis.fallback_rate", &self.redis.fallback_rate)?,
             fallback_capacity: self.redis.fallback_capacity,
+            ca,
         };
         if !(0.0..=1.0).contains(&redis.degraded_sample) {
             return Err(invalid(
@@ -1099,6 +1145,31 @@ mod tests {
         let err =
             Settings::from_toml_over_defaults("[redis]\nfallback_rate = \"fast\"").unwrap_err();
         assert!(err.to_string().contains("redis.fallback_rate"), "{err}");
+    }
+
+    #[test]
+    fn tls_settings_are_checked_when_the_configuration_loads() {
+        let err = Settings::from_toml_over_defaults(
+            "[postgres]\nurl = \"postgres://u@h/db?sslmode=sometimes\"",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("postgres.url"), "{err}");
+        let err = Settings::from_toml_over_defaults(
+            "[postgres]\nurl = \"postgres://u@h/db?sslmode=verify-full&sslrootcert=/no/ca.pem\"",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("/no/ca.pem"), "{err}");
+        let err = Settings::from_toml_over_defaults(
+            "[redis]\nurl = \"rediss://h:6380\"\nca_file = \"/no/ca.pem\"",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("redis.ca_file"), "{err}");
+        let err =
+            Settings::from_toml_over_defaults("[redis]\nca_file = \"/etc/hostname\"").unwrap_err();
+        assert!(err.to_string().contains("rediss://"), "no TLS URL: {err}");
+        let err = Settings::from_toml_over_defaults("[redis]\nurl = \"rediss://h:6380/#insecure\"")
+            .unwrap_err();
+        assert!(err.to_string().contains("redis.url"), "{err}");
     }
 
     #[test]

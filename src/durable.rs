@@ -100,7 +100,15 @@ pub struct Pools {
 /// Connection options every pool uses: durable commits and bounded statements.
 pub fn connect_options(settings: &PostgresSettings) -> Result<PgConnectOptions, sqlx::Error> {
     let timeout_ms = settings.statement_timeout.as_millis().to_string();
-    let opts: PgConnectOptions = settings.url.parse()?;
+    let mut opts: PgConnectOptions = settings.url.parse()?;
+    // sqlx reads `sslmode` and `sslrootcert` itself; as libpq (and the
+    // migrations' connection, `crate::tls`), `require` with a root
+    // certificate verifies the chain.
+    if let Ok(tls) = crate::tls::PgTls::from_url(&settings.url) {
+        if tls.effective_mode() == crate::tls::SslMode::VerifyCa {
+            opts = opts.ssl_mode(sqlx::postgres::PgSslMode::VerifyCa);
+        }
+    }
     Ok(opts.application_name("idempotency-ledger").options([
         // Acknowledged consumes must survive a crash (DESIGN.md: with
         // synchronous_commit off, 1 to 47 acknowledged commits were lost).

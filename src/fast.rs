@@ -236,6 +236,119 @@ impl FastTier {
         })
     }
 
+    /// `redis.ca_file` for the redis crate (`None`: the system's roots).
+    fn tls_certs(&self) -> Option<redis::TlsCertificates> {
+        self.settings.ca.as_ref().map(|ca| redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(ca.pem.clone()),
+        })
+    }
+
+    /// A standalone client: `rediss://` URLs verify against `redis.ca_file`
+    /// when set.
+    /// Speaks RESP3 (see [`FastTier::connect`]).
+    fn standalone_client(&self, url: &str) -> Result<redis::Client, redis::RedisError> {
+        let info = url.into_connection_info()?;
+        let resp3 = info
+            .redis_settings()
+            .clone()
+            .set_protocol(ProtocolVersion::RESP3);
+        let info = info.set_redis_settings(resp3);
+        match self.tls_certs() {
+            Some(certs) if url.starts_with("rediss://") => {
+                redis::Client::build_with_tls(info, certs)
+            }
+            _ => redis::Client::open(info),
+        }
+    }
+
+    fn cluster_client(
+        &self,
+        nodes: &[String],
+    ) -> Result<redis::cluster::ClusterClient, redis::RedisError> {
+        let timeout = self.settings.timeout;
+        let mut builder = redis::cluster::ClusterClientBuilder::new(nodes.to_vec())
+            .use_protocol(ProtocolVersion::RESP3)
+            .response_timeout(timeout)
+            .connection_timeout(timeout.max(Duration::from_millis(500)))
+            .retries(0);
+        if let Some(certs) = self.tls_certs() {
+            builder = builder.certs(certs);
+        }
+        builder.build()
+    }
+
+    /// At start, for `rediss://` URLs only: one connection and a PING. A TLS
+    /// failure (a certificate that does not verify, a server that does not
+    /// speak TLS) is an error naming the setting; Redis unreachable is not
+    /// (the service starts without Redis, see `health`).
+    pub async fn check_tls(&self) -> anyhow::Result<()> {
+        let (setting, tls) = match &self.settings.topology {
+            RedisTopology::Standalone(url) => ("redis.url", url.starts_with("rediss://")),
+            RedisTopology::Cluster(nodes) => (
+                "redis.cluster_nodes",
+                nodes.iter().any(|n| n.starts_with("rediss://")),
+            ),
+        };
+        if !tls {
+            return Ok(());
+        }
+        let bound = self.settings.timeout.max(Duration::from_secs(2));
+        let attempt = async {
+            match &self.settings.topology {
+                RedisTopology::Standalone(url) => {
+                    let config = redis::AsyncConnectionConfig::new()
+                        .set_connection_timeout(Some(bound))
+                        .set_response_timeout(Some(bound));
+                    let mut c = self
+                        .standalone_client(url)?
+                        .get_multiplexed_async_connection_with_config(&config)
+                        .await?;
+                    redis::cmd("PING").query_async::<()>(&mut c).await
+                }
+                RedisTopology::Cluster(nodes) => {
+                    let mut c = self.cluster_client(nodes)?.get_async_connection().await?;
+                    redis::cmd("PING").query_async::<()>(&mut c).await
+                }
+            }
+        };
+        let ca = match &self.settings.ca {
+            Some(ca) => format!("redis.ca_file ({})", ca.path.display()),
+            None => "the system's root certificates (or set redis.ca_file)".to_owned(),
+        };
+        match tokio::time::timeout(bound, attempt).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) if crate::tls::is_tls_error(&e) => Err(anyhow::Error::new(e).context(
+                format!("{setting}: TLS failed; check the server's certificate against {ca}, and that the port speaks TLS"),
+            )),
+            Ok(Err(e)) if !e.is_timeout() => {
+                tracing::warn!(error = %e, "{setting}: redis not reachable at start; TLS not checked yet");
+                Ok(())
+            }
+            Ok(Err(_)) | Err(_) => {
+                // A port that accepts TCP but completes no TLS handshake is
+                // most likely plaintext Redis (it waits for a command end).
+                let first = match &self.settings.topology {
+                    RedisTopology::Standalone(url) => url.clone(),
+                    RedisTopology::Cluster(nodes) => nodes.first().cloned().unwrap_or_default(),
+                };
+                let addr = url::Url::parse(&first)
+                    .ok()
+                    .and_then(|u| Some(format!("{}:{}", u.host_str()?, u.port().unwrap_or(6379))));
+                if let Some(addr) = addr {
+                    let tcp = tokio::time::timeout(bound, tokio::net::TcpStream::connect(&addr)).await;
+                    if matches!(tcp, Ok(Ok(_))) {
+                        anyhow::bail!(
+                            "{setting}: TLS failed; {addr} accepts connections but completed no TLS handshake within {bound:?} (does that port speak TLS?)"
+                        );
+                    }
+                }
+                tracing::warn!("{setting}: no answer from redis within {bound:?} at start; TLS not checked yet");
+                Ok(())
+            }
+        }
+    }
+
     /// Makes the connections. Both kinds speak RESP3, for one reason: a
     /// RESP3 connection tells its owner when its socket closes (a
     /// disconnection push), and the redis client then reconnects at once, in
@@ -262,12 +375,7 @@ impl FastTier {
         let timeout = self.settings.timeout;
         match &self.settings.topology {
             RedisTopology::Standalone(url) => {
-                let info = url.as_str().into_connection_info()?;
-                let resp3 = info
-                    .redis_settings()
-                    .clone()
-                    .set_protocol(ProtocolVersion::RESP3);
-                let client = redis::Client::open(info.set_redis_settings(resp3))?;
+                let client = self.standalone_client(url)?;
                 let config = ConnectionManagerConfig::new()
                     .set_response_timeout(Some(timeout))
                     .set_connection_timeout(Some(timeout.max(Duration::from_millis(500))))
@@ -283,13 +391,7 @@ impl FastTier {
                 Ok(conns)
             }
             RedisTopology::Cluster(nodes) => {
-                let client = redis::cluster::ClusterClientBuilder::new(nodes.clone())
-                    .use_protocol(ProtocolVersion::RESP3)
-                    .response_timeout(timeout)
-                    .connection_timeout(timeout.max(Duration::from_millis(500)))
-                    .retries(0)
-                    .build()?;
-                let conn = client.get_async_connection().await?;
+                let conn = self.cluster_client(nodes)?.get_async_connection().await?;
                 Ok(vec![Conn::Cluster(conn)])
             }
         }

@@ -23,6 +23,7 @@
 //! - [`startup`]: building and running the service.
 //! - [`cli`]: the command line.
 //! - [`telemetry`]: structured logs.
+//! - [`tls`]: rustls for Postgres (`sslmode`, `sslrootcert`) and Redis CA files.
 
 pub mod admin;
 pub mod auth;
@@ -42,5 +43,6 @@ pub mod orders;
 pub mod reconcile;
 pub mod startup;
 pub mod telemetry;
+pub mod tls;
 pub mod token;
 pub mod writer;

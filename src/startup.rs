@@ -60,13 +60,16 @@ impl Application {
         opts: BuildOptions,
         clock: Arc<dyn Clock>,
     ) -> anyhow::Result<Application> {
+        crate::tls::install_provider();
         let settings = Arc::new(settings);
         if opts.migrate {
             setup::create_database_if_missing(&settings.postgres.url).await?;
             setup::migrate(&settings.postgres.url).await?;
         }
         let pools = Pools::new(&settings.postgres).context("postgres.url")?;
-        setup::check_durability(&pools).await?;
+        setup::check_durability(&pools)
+            .await
+            .map_err(|e| setup::name_postgres_url(&settings.postgres.url, e))?;
 
         let metrics = Arc::new(Metrics::new());
         metrics
@@ -82,6 +85,7 @@ impl Application {
             .register(Box::new(reconcile::last_run_metrics(pools.admin.clone())))
             .context("registering the reconcile metrics")?;
         let fast = FastTier::new(settings.redis.clone(), metrics.clone(), clock.clone());
+        fast.check_tls().await?;
         metrics
             .registry
             .register(Box::new(journal::lag_metric(fast.clone())))

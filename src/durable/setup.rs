@@ -31,13 +31,35 @@ fn split_db(url: &str) -> anyhow::Result<(String, String)> {
     Ok((maintenance, db))
 }
 
+/// One tokio-postgres connection over TLS as `url`'s `sslmode` asks, and the
+/// task driving it. A failure names `postgres.url` and its TLS parameters;
+/// a TLS failure says so.
+async fn connect(
+    url: &str,
+    what: &str,
+) -> anyhow::Result<(
+    tokio_postgres::Client,
+    tokio::task::JoinHandle<Result<(), tokio_postgres::Error>>,
+)> {
+    let (config, tls, pg) = crate::tls::tokio_postgres(url)?;
+    match config.connect(tls).await {
+        Ok((client, conn)) => Ok((client, tokio::spawn(conn))),
+        Err(e) if crate::tls::is_tls_error(&e) => {
+            Err(anyhow::Error::new(e)
+                .context(format!("{what}: TLS failed; check {}", pg.describe())))
+        }
+        Err(e) => Err(anyhow::Error::new(e).context(format!("{what} ({})", pg.describe()))),
+    }
+}
+
 /// Creates the database named in `url` unless it exists.
 pub async fn create_database_if_missing(url: &str) -> anyhow::Result<()> {
     let (maintenance, db) = split_db(url)?;
-    let (client, conn) = tokio_postgres::connect(&maintenance, tokio_postgres::NoTls)
-        .await
-        .context("connecting to the postgres maintenance database")?;
-    let task = tokio::spawn(conn);
+    let (client, task) = connect(
+        &maintenance,
+        "connecting to the postgres maintenance database",
+    )
+    .await?;
     let exists = client
         .query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&db])
         .await?
@@ -62,10 +84,7 @@ pub async fn create_database_if_missing(url: &str) -> anyhow::Result<()> {
 
 /// Applies pending migrations; returns how many were applied.
 pub async fn migrate(url: &str) -> anyhow::Result<usize> {
-    let (mut client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .context("connecting to postgres for migrations")?;
-    let task = tokio::spawn(conn);
+    let (mut client, task) = connect(url, "connecting to postgres for migrations").await?;
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
         .await
@@ -85,6 +104,21 @@ pub async fn migrate(url: &str) -> anyhow::Result<usize> {
         tracing::info!(migration = %m, "applied migration");
     }
     Ok(report.applied_migrations().len())
+}
+
+/// Names `postgres.url` (and its TLS parameters) in an error of the first
+/// sqlx connection; a TLS failure says so. Other errors pass unchanged.
+pub fn name_postgres_url(url: &str, e: anyhow::Error) -> anyhow::Error {
+    let describe = crate::tls::PgTls::from_url(url)
+        .map(|t| t.describe())
+        .unwrap_or_else(|_| "postgres.url".to_owned());
+    if e.chain().any(crate::tls::is_tls_error) {
+        e.context(format!("TLS failed; check {describe}"))
+    } else if e.downcast_ref::<sqlx::Error>().is_some() {
+        e.context(format!("connecting to postgres ({describe})"))
+    } else {
+        e
+    }
 }
 
 /// Refuses to run when commits would not be durable; warns about fsync.

@@ -20,4 +20,5 @@ mod reconcile;
 mod result_release;
 mod security;
 mod startup_checks;
+mod tls;
 mod versions;
