@@ -1,6 +1,8 @@
 //! The OpenAPI 3 description, generated from the handlers' annotations.
 
+use utoipa::openapi::header::HeaderBuilder;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::openapi::{ObjectBuilder, RefOr, ResponseBuilder, Type};
 use utoipa::{Modify, OpenApi};
 
 use super::{admin, ops, orders, tokens, ErrorBody};
@@ -28,7 +30,7 @@ use super::{admin, ops, orders, tokens, ErrorBody};
         crate::reconcile::Report, crate::reconcile::Classes, crate::reconcile::Scanned,
         crate::reconcile::InconsistentOrder,
     )),
-    modifiers(&BearerAuth),
+    modifiers(&BearerAuth, &Common),
     tags(
         (name = "tokens", description = "Issue and consume one-time tokens"),
         (name = "orders", description = "The payment state machine: CREATED -> PAID -> PARTIALLY_REFUNDED -> REFUNDED, CREATED -> CLOSED"),
@@ -50,9 +52,238 @@ impl Modify for BearerAuth {
     }
 }
 
+/// Every error code an answer can carry (`ErrorBody.error`).
+pub const ERROR_CODES: &[&str] = &[
+    "invalid_request",
+    "unauthorized",
+    "forbidden",
+    "not_found",
+    "method_not_allowed",
+    "payload_too_large",
+    "unsupported_media_type",
+    "uri_too_long",
+    "headers_too_large",
+    "rate_limited",
+    "token_invalid",
+    "token_expired",
+    "token_mismatch",
+    "unknown_biz_type",
+    "fingerprint_mismatch",
+    "result_already_set",
+    "not_consumed",
+    "not_releasable",
+    "order_not_found",
+    "order_conflict",
+    "illegal_transition",
+    "refund_exceeds_paid",
+    "durable_token_required",
+    "token_already_used",
+    "token_not_found",
+    "invalid_cursor",
+    "reconcile_running",
+    "unavailable",
+    "internal",
+];
+
+/// Routes whose 200/201 may repeat an earlier answer (`Idempotent-Replayed`).
+const REPLAYING: &[&str] = &[
+    "/v1/tokens/{token}/consume",
+    "/v1/tokens/{token}/result",
+    "/v1/orders",
+    "/v1/orders/{order_id}/pay",
+    "/v1/orders/{order_id}/refund",
+    "/v1/orders/{order_id}/close",
+];
+
+/// What every route shares, added to each operation so that none can
+/// forget it: the request limits (414, 431) and 405 everywhere; 401, 429
+/// (the client's ceiling) and 500 on every route that needs a key; 400, 413
+/// and 415 on every route with a body; the `X-Request-Id` header on every
+/// answer, `Retry-After` on every 429 and 503, `Idempotent-Replayed` on the
+/// answers that can repeat an earlier one; the error codes as an enum.
+struct Common;
+
+fn error_response(description: &str) -> RefOr<utoipa::openapi::Response> {
+    RefOr::T(
+        ResponseBuilder::new()
+            .description(description)
+            .content(
+                "application/json",
+                utoipa::openapi::ContentBuilder::new()
+                    .schema(Some(utoipa::openapi::Ref::from_schema_name("ErrorBody")))
+                    .build(),
+            )
+            .build(),
+    )
+}
+
+fn header(description: &str, kind: Type) -> utoipa::openapi::header::Header {
+    HeaderBuilder::new()
+        .schema(ObjectBuilder::new().schema_type(kind))
+        .description(Some(description))
+        .build()
+}
+
+impl Modify for Common {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        for (path, item) in openapi.paths.paths.iter_mut() {
+            let keyed = path.starts_with("/v1/") || path.starts_with("/api/");
+            let replaying = REPLAYING.contains(&path.as_str());
+            for op in [
+                item.get.as_mut(),
+                item.post.as_mut(),
+                item.put.as_mut(),
+                item.delete.as_mut(),
+                item.patch.as_mut(),
+            ]
+            .into_iter()
+            .flatten()
+            {
+                let mut add = vec![
+                    ("405", "method_not_allowed: another method on this path"),
+                    (
+                        "414",
+                        "uri_too_long: path and query over limits.max_uri_bytes",
+                    ),
+                    (
+                        "431",
+                        "headers_too_large: headers over limits.max_header_bytes",
+                    ),
+                ];
+                if keyed {
+                    add.push(("401", "unauthorized: missing or unknown API key"));
+                    add.push((
+                        "429",
+                        "rate_limited: over the client's request ceiling (with Retry-After)",
+                    ));
+                    add.push(("500", "internal"));
+                }
+                if op.request_body.is_some() {
+                    add.push(("400", "invalid_request: a body that does not parse, unknown fields, bad types or values"));
+                    add.push(("413", "payload_too_large"));
+                    add.push((
+                        "415",
+                        "unsupported_media_type: the body must be application/json",
+                    ));
+                }
+                for (status, description) in add {
+                    op.responses
+                        .responses
+                        .entry(status.to_owned())
+                        .or_insert_with(|| error_response(description));
+                }
+                for (status, response) in op.responses.responses.iter_mut() {
+                    let RefOr::T(response) = response else {
+                        continue;
+                    };
+                    response.headers.insert(
+                        "X-Request-Id".to_owned(),
+                        header("The request's id (the caller's X-Request-Id when it sent a valid one), also in the logs", Type::String),
+                    );
+                    if status == "429" || status == "503" {
+                        response.headers.insert(
+                            "Retry-After".to_owned(),
+                            header(
+                                "Whole seconds to wait before retrying (at least 1)",
+                                Type::Integer,
+                            ),
+                        );
+                    }
+                    if replaying && (status == "200" || status == "201") {
+                        response.headers.insert(
+                            "Idempotent-Replayed".to_owned(),
+                            header("`true` on an answer that repeats an earlier one (a duplicate, a retry with the winning request_id, the same result or order again); absent otherwise", Type::String),
+                        );
+                    }
+                }
+            }
+        }
+        if let Some(components) = openapi.components.as_mut() {
+            if let Some(RefOr::T(utoipa::openapi::Schema::Object(body))) =
+                components.schemas.get_mut("ErrorBody")
+            {
+                body.properties.insert(
+                    "error".to_owned(),
+                    ObjectBuilder::new()
+                        .schema_type(Type::String)
+                        .description(Some("A stable code"))
+                        .enum_values(Some(ERROR_CODES.iter().copied()))
+                        .into(),
+                );
+            }
+        }
+    }
+}
+
+/// The spec as committed in `openapi.json` at the repository's root.
+pub fn pretty() -> String {
+    let mut text = ApiDoc::openapi()
+        .to_pretty_json()
+        .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
+    text.push('\n');
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `openapi.json` is what the code generates. After a change to the
+    /// routes or their types: `UPDATE_OPENAPI=1 cargo test --lib openapi`
+    /// rewrites it; commit the result.
+    #[test]
+    fn the_committed_openapi_json_is_what_the_code_generates() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/openapi.json");
+        let generated = pretty();
+        if std::env::var_os("UPDATE_OPENAPI").is_some() {
+            std::fs::write(path, &generated).expect("openapi.json written");
+            return;
+        }
+        let committed = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            committed == generated,
+            "openapi.json differs from the generated spec: run UPDATE_OPENAPI=1 cargo test --lib openapi and commit it"
+        );
+    }
+
+    /// Every operation declares the shared statuses and the X-Request-Id
+    /// header; 429 and 503 carry Retry-After; the consume's 200 carries
+    /// Idempotent-Replayed; error codes are an enum.
+    #[test]
+    fn shared_statuses_and_headers_are_declared() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        for (path, item) in doc["paths"].as_object().expect("paths") {
+            for (method, op) in item.as_object().expect("operations") {
+                let responses = op["responses"].as_object().expect("responses");
+                for s in ["405", "414", "431"] {
+                    assert!(responses.contains_key(s), "{method} {path}: {s}");
+                }
+                if path.starts_with("/v1/") {
+                    for s in ["401", "429", "500"] {
+                        assert!(responses.contains_key(s), "{method} {path}: {s}");
+                    }
+                }
+                for (status, r) in responses {
+                    assert!(
+                        r["headers"]["X-Request-Id"].is_object(),
+                        "{method} {path} {status}"
+                    );
+                    if status == "429" || status == "503" {
+                        assert!(
+                            r["headers"]["Retry-After"].is_object(),
+                            "{method} {path} {status}"
+                        );
+                    }
+                }
+            }
+        }
+        let consume = &doc["paths"]["/v1/tokens/{token}/consume"]["post"]["responses"]["200"];
+        assert!(consume["headers"]["Idempotent-Replayed"].is_object());
+        let codes = doc["components"]["schemas"]["ErrorBody"]["properties"]["error"]["enum"]
+            .as_array()
+            .expect("enum");
+        assert!(codes.iter().any(|c| c == "fingerprint_mismatch"));
+    }
 
     /// Every path parameter is a `{name}` of its path, and the query strings
     /// of API.md are query parameters (OpenAPI 3 rejects anything else).

@@ -281,8 +281,11 @@ async fn release_racing_duplicates_never_leaves_a_false_duplicate() {
                     .query_async(&mut redis)
                     .await
                     .ok()?;
-                matches!((s.as_deref(), g), (Some("i"), Some(2)) | (Some("c"), Some(3)))
-                    .then_some(())
+                matches!(
+                    (s.as_deref(), g),
+                    (Some("i"), Some(2)) | (Some("c"), Some(3))
+                )
+                .then_some(())
             }
         })
         .await;
