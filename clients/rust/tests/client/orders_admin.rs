@@ -145,14 +145,26 @@ async fn admin_views_audit_stats_and_reconcile_are_typed() {
     assert_eq!(view.fingerprint.as_deref(), Some("sha256:x"));
     assert!(view.events.iter().any(|e| e.kind == "token.consumed"));
 
-    let page = admin
-        .audit(&AuditQuery {
-            subject: Some("audited".into()),
-            limit: Some(10),
-            ..AuditQuery::default()
-        })
-        .await
-        .expect("audit");
+    // The issuance record reaches Postgres in a batch a few milliseconds
+    // after the answer: wait for it rather than assume it is there.
+    let page = eventually(10, || {
+        let admin = admin.clone();
+        async move {
+            let page = admin
+                .audit(&AuditQuery {
+                    subject: Some("audited".into()),
+                    limit: Some(10),
+                    ..AuditQuery::default()
+                })
+                .await
+                .expect("audit");
+            page.events
+                .iter()
+                .any(|e| e.kind == "token.issued")
+                .then_some(page)
+        }
+    })
+    .await;
     assert!(page
         .events
         .iter()
