@@ -6,6 +6,7 @@ mod bad_input;
 mod cli;
 mod concurrency;
 mod consume;
+mod deploy_kit;
 mod docs_links;
 mod faults;
 mod fleet;
