@@ -1,0 +1,131 @@
+//! Loading and validating whole configurations.
+
+use std::time::Duration;
+
+use super::parse::parse_rate;
+use super::*;
+use crate::domain::BizType;
+
+#[test]
+fn defaults_load() {
+    let s = Settings::load_with_env(None, Vec::new()).expect("defaults are valid");
+    assert_eq!(s.env, Environment::Development);
+    assert_eq!(s.biz.len(), 3);
+    assert_eq!(s.clients.len(), 4);
+    assert!(!s.development_secrets_in_use().is_empty());
+}
+
+#[test]
+fn env_overrides_and_names_bad_keys() {
+    let s = Settings::load_with_env(
+        None,
+        vec![
+            ("LEDGER__BIZ__ORDER__TTL".into(), "90s".into()),
+            ("LEDGER__SERVER__LISTEN".into(), "127.0.0.1:9999".into()),
+        ],
+    )
+    .expect("valid");
+    assert_eq!(
+        s.biz[&BizType::parse("order").unwrap()].ttl,
+        Duration::from_secs(90)
+    );
+    assert_eq!(s.server.listen.port(), 9999);
+
+    let err = Settings::load_with_env(
+        None,
+        vec![("LEDGER__TOKENS__RETENTION".into(), "soon".into())],
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("tokens.retention"), "{err}");
+}
+
+#[test]
+fn production_refuses_dev_secrets() {
+    let err = Settings::load_with_env(None, vec![("LEDGER__ENV".into(), "production".into())])
+        .unwrap_err();
+    assert!(err.to_string().contains("development"), "{err}");
+}
+
+#[test]
+fn lists_replace_whole() {
+    let s = Settings::from_toml_over_defaults(
+        r#"
+        [[clients]]
+        name = "only"
+        role = "admin"
+        key_sha256 = "0000000000000000000000000000000000000000000000000000000000000000"
+        "#,
+    )
+    .expect("valid");
+    assert_eq!(s.clients.len(), 1);
+}
+
+#[test]
+fn cluster_nodes_alone_replace_the_default_url_but_both_are_an_error() {
+    let nodes = vec!["redis://127.0.0.1:7000".to_owned()];
+    let s =
+        Settings::from_toml_over_defaults("[redis]\ncluster_nodes = [\"redis://127.0.0.1:7000\"]")
+            .expect("a file naming only cluster nodes");
+    assert_eq!(s.redis.topology, RedisTopology::Cluster(nodes.clone()));
+    let s = Settings::load_with_env(
+        None,
+        vec![(
+            "LEDGER__REDIS__CLUSTER_NODES".into(),
+            "[\"redis://127.0.0.1:7000\"]".into(),
+        )],
+    )
+    .expect("the environment naming only cluster nodes");
+    assert_eq!(s.redis.topology, RedisTopology::Cluster(nodes));
+    let err = Settings::from_toml_over_defaults(
+        "[redis]\nurl = \"redis://127.0.0.1:6379\"\ncluster_nodes = [\"redis://127.0.0.1:7000\"]",
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("redis.cluster_nodes"), "{err}");
+}
+
+#[test]
+fn degraded_mode_keys_are_checked() {
+    let s = Settings::load_with_env(None, Vec::new()).expect("defaults are valid");
+    assert_eq!(s.redis.slow_threshold, Duration::from_millis(200));
+    assert_eq!(s.redis.degraded_sample, 0.1);
+    assert_eq!(s.postgres.acquire_timeout, Duration::from_secs(1));
+    let err = Settings::from_toml_over_defaults("[redis]\ndegraded_sample = 1.5").unwrap_err();
+    assert!(err.to_string().contains("redis.degraded_sample"), "{err}");
+    let err = Settings::from_toml_over_defaults("[redis]\nslow_window = \"10ms\"").unwrap_err();
+    assert!(err.to_string().contains("redis.slow_window"), "{err}");
+    let err = Settings::from_toml_over_defaults("[redis]\nfallback_rate = \"fast\"").unwrap_err();
+    assert!(err.to_string().contains("redis.fallback_rate"), "{err}");
+}
+
+#[test]
+fn tls_settings_are_checked_when_the_configuration_loads() {
+    let err = Settings::from_toml_over_defaults(
+        "[postgres]\nurl = \"postgres://u@h/db?sslmode=sometimes\"",
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("postgres.url"), "{err}");
+    let err = Settings::from_toml_over_defaults(
+        "[postgres]\nurl = \"postgres://u@h/db?sslmode=verify-full&sslrootcert=/no/ca.pem\"",
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("/no/ca.pem"), "{err}");
+    let err = Settings::from_toml_over_defaults(
+        "[redis]\nurl = \"rediss://h:6380\"\nca_file = \"/no/ca.pem\"",
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("redis.ca_file"), "{err}");
+    let err =
+        Settings::from_toml_over_defaults("[redis]\nca_file = \"/etc/hostname\"").unwrap_err();
+    assert!(err.to_string().contains("rediss://"), "no TLS URL: {err}");
+    let err = Settings::from_toml_over_defaults("[redis]\nurl = \"rediss://h:6380/#insecure\"")
+        .unwrap_err();
+    assert!(err.to_string().contains("redis.url"), "{err}");
+}
+
+#[test]
+fn rates() {
+    assert_eq!(parse_rate("k", "100/s").unwrap().get(), 100);
+    assert_eq!(parse_rate("k", "90/m").unwrap().get(), 2);
+    assert!(parse_rate("k", "0/s").is_err());
+    assert!(parse_rate("k", "fast").is_err());
+}

@@ -1,0 +1,195 @@
+//! The consume script: one attempt on one token's key, and its reply
+//! (the outcome, the key's generation, Redis's clock).
+
+use super::{FastError, FastTier};
+
+/// What the consume script found or did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScriptOutcome {
+    /// Fast mode: consumed now (journal appended).
+    Won { at_ms: i64 },
+    /// Durable mode: our provisional marker is set; Postgres decides.
+    Claimed,
+    /// Consumed before.
+    Consumed(Marker),
+    /// Another attempt holds a live provisional marker.
+    Provisional(Marker),
+    /// No key.
+    Miss,
+    /// Peek: live and unconsumed.
+    Issued,
+}
+
+/// The fields of a consumed or provisional marker.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Marker {
+    pub at_ms: i64,
+    pub request_id: Option<String>,
+    pub fingerprint: Option<String>,
+    pub result: Option<String>,
+}
+
+/// The generation a consume script found or decided, and Redis's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyVersion {
+    /// The key's generation (bumped by every consume and release, odd while
+    /// consumed); after a win, the one it decided; -1 for a missing key.
+    pub gen: i64,
+    /// Redis's clock when the script ran, ms.
+    pub now_ms: i64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConsumeMode {
+    Durable,
+    Fast,
+    Peek,
+}
+
+/// The arguments of one consume attempt.
+#[derive(Debug, Clone)]
+pub struct Attempt<'a> {
+    pub owner: &'a str,
+    pub request_id: Option<&'a str>,
+    pub fingerprint: Option<&'a str>,
+}
+
+impl FastTier {
+    /// Runs the consume script. `journal` holds the journal entry's fields
+    /// (fast mode on a standalone Redis).
+    pub async fn consume(
+        &self,
+        token: &str,
+        mode: ConsumeMode,
+        attempt: &Attempt<'_>,
+        provisional_ms: i64,
+        journal: &[(&'static str, String)],
+    ) -> Result<ScriptOutcome, FastError> {
+        self.consume_versioned(token, mode, attempt, provisional_ms, journal)
+            .await
+            .map(|(outcome, _)| outcome)
+    }
+
+    /// Runs the consume script, and says which generation the key is at
+    /// (the one it decided, after a fast win) and Redis's clock.
+    pub async fn consume_versioned(
+        &self,
+        token: &str,
+        mode: ConsumeMode,
+        attempt: &Attempt<'_>,
+        provisional_ms: i64,
+        journal: &[(&'static str, String)],
+    ) -> Result<(ScriptOutcome, KeyVersion), FastError> {
+        let key = self.token_key(token);
+        let journal_key = self.journal_key();
+        let script = &self.scripts.consume;
+        let mode_arg = match mode {
+            ConsumeMode::Durable => "durable",
+            ConsumeMode::Fast => "fast",
+            ConsumeMode::Peek => "peek",
+        };
+        let append = mode == ConsumeMode::Fast && self.journal_in_script() && !journal.is_empty();
+        let consumed_ttl = self.consumed_ttl_ms();
+        // The script is idempotent per owner, so every attempt needs its own
+        // (a fast consume's caller may not name one).
+        let fresh_owner;
+        let owner = if attempt.owner.is_empty() {
+            fresh_owner = uuid::Uuid::new_v4().simple().to_string();
+            fresh_owner.as_str()
+        } else {
+            attempt.owner
+        };
+        let (key, journal_key) = (&key, &journal_key);
+        let reply: Vec<String> = self
+            .call_idempotent("consume", |mut c| async move {
+                let mut inv = script.key(key);
+                if append {
+                    inv.key(journal_key);
+                }
+                inv.arg(mode_arg)
+                    .arg(owner)
+                    .arg(provisional_ms)
+                    .arg(attempt.request_id.unwrap_or(""))
+                    .arg(attempt.fingerprint.unwrap_or(""))
+                    .arg(consumed_ttl)
+                    .arg(if append { "1" } else { "0" });
+                if append {
+                    for (k, v) in journal {
+                        inv.arg(*k).arg(v.as_str());
+                    }
+                }
+                inv.invoke_async(&mut c).await
+            })
+            .await?;
+        let (outcome, version) = parse_consume_reply(&reply, self.clock.now_ms())?;
+        let label = match outcome {
+            ScriptOutcome::Miss => "miss",
+            _ => "hit",
+        };
+        self.metrics
+            .fast_tier_total
+            .with_label_values(&[label])
+            .inc();
+        if append {
+            if let ScriptOutcome::Won { .. } = outcome {
+                return Ok((outcome, version));
+            }
+        } else if let (ScriptOutcome::Won { at_ms }, ConsumeMode::Fast) = (&outcome, mode) {
+            // Cluster: the journal stream is in another slot.
+            if !journal.is_empty() {
+                let mut entry: Vec<(&'static str, String)> = journal.to_vec();
+                entry.push((crate::journal::AT, at_ms.to_string()));
+                entry.push((crate::journal::GEN, version.gen.to_string()));
+                self.append_or_queue(entry).await;
+            }
+        }
+        Ok((outcome, version))
+    }
+
+    /// Our provisional marker goes back to issued, at its generation, with
+    /// `remaining_ms` to live, if we still own it (see `writeback.lua`).
+    pub async fn unclaim(
+        &self,
+        token: &str,
+        owner: &str,
+        remaining_ms: i64,
+    ) -> Result<(), FastError> {
+        self.writeback(token, "unclaim", 0, remaining_ms, None, owner)
+            .await
+            .map(|_| ())
+    }
+}
+
+fn opt(s: &str) -> Option<String> {
+    (!s.is_empty()).then(|| s.to_owned())
+}
+
+/// `now_ms`: ours, for a reply that lacks Redis's (never from our scripts).
+fn parse_consume_reply(
+    reply: &[String],
+    now_ms: i64,
+) -> Result<(ScriptOutcome, KeyVersion), FastError> {
+    let field = |i: usize| reply.get(i).map(String::as_str).unwrap_or("");
+    let version = KeyVersion {
+        gen: field(5).parse().unwrap_or(-1),
+        now_ms: field(6).parse().unwrap_or(now_ms),
+    };
+    let marker = || Marker {
+        at_ms: field(1).parse().unwrap_or(0),
+        request_id: opt(field(2)),
+        fingerprint: opt(field(3)),
+        result: opt(field(4)),
+    };
+    let outcome = match field(0) {
+        "won" => ScriptOutcome::Won {
+            at_ms: field(1).parse().unwrap_or(now_ms),
+        },
+        "claimed" => ScriptOutcome::Claimed,
+        "consumed" => ScriptOutcome::Consumed(marker()),
+        "provisional" => ScriptOutcome::Provisional(marker()),
+        "miss" => ScriptOutcome::Miss,
+        "issued" => ScriptOutcome::Issued,
+        other => return Err(FastError::Protocol(format!("consume answered {other:?}"))),
+    };
+    Ok((outcome, version))
+}

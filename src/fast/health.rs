@@ -1,0 +1,75 @@
+//! The tier's health as callers see it: down or not, the mode, the probe
+//! that closes the breaker, and Redis's eviction policy.
+
+use redis::Value;
+
+use super::FastTier;
+use crate::health::{Health, Mode};
+
+impl FastTier {
+    /// Is Redis considered down right now?
+    pub fn is_down(&self) -> bool {
+        self.health.is_down()
+    }
+
+    /// The current mode (see [`crate::health`]).
+    pub fn mode(&self) -> Mode {
+        self.health.mode()
+    }
+
+    pub fn health(&self) -> &Health {
+        &self.health
+    }
+
+    /// One probe: PING, bounded by the timeout. Closes the breaker on success
+    /// (it is let through although the breaker is open), and adds a latency
+    /// sample either way.
+    ///
+    /// On a cluster PING goes to every master, so the probe succeeds once
+    /// every slot is served again; while it fails the cluster connection is
+    /// made afresh, which reads the new slot map after a failover.
+    pub async fn probe(&self) -> bool {
+        self.health.half_open();
+        let ok = self
+            .call("ping", |mut c| async move {
+                redis::cmd("PING")
+                    .query_async::<String>(&mut c)
+                    .await
+                    .map(|_| ())
+            })
+            .await
+            .is_ok();
+        if !ok {
+            self.reconnect_cluster();
+        }
+        ok
+    }
+
+    /// `CONFIG GET maxmemory-policy` (standalone only); `None` when unknown.
+    pub async fn maxmemory_policy(&self) -> Option<String> {
+        if self.cluster {
+            return None;
+        }
+        let reply: Result<Value, _> = self
+            .call("config", |mut c| async move {
+                redis::cmd("CONFIG")
+                    .arg("GET")
+                    .arg("maxmemory-policy")
+                    .query_async(&mut c)
+                    .await
+            })
+            .await;
+        // RESP3 answers a map, RESP2 a flat array: [name, value].
+        match reply.ok()? {
+            Value::Map(pairs) => pairs
+                .into_iter()
+                .next()
+                .and_then(|(_, v)| redis::from_redis_value(v).ok()),
+            Value::Array(items) => items
+                .into_iter()
+                .nth(1)
+                .and_then(|v| redis::from_redis_value(v).ok()),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! The fast tier: Redis. One Lua script per operation, each touching one
+//! token's key (the token text is the key's hash tag, so a token's keys share a
+//! cluster slot). For durable biz types Redis only turns duplicates away and
+//! holds provisional markers; for fast biz types it decides, and appends what
+//! it decided to the journal stream that [`crate::journal`] drains into
+//! Postgres. Every call is bounded by `redis.timeout`; a connection error or a
+//! timeout opens a short circuit breaker so that a dead Redis costs nothing per
+//! request, and every answered call's latency feeds [`crate::health`].
+//!
+//! The files:
+//! - `conn`: connections (standalone or cluster, TLS) made lazily and shared;
+//! - `call`: one call under the timeout, the breaker and the metrics;
+//! - `consume`: the consume script and what it answers;
+//! - `write`: the issue seed, write-backs of Postgres's decisions, result and
+//!   release of fast types;
+//! - `health`: the probe that closes the breaker, and the mode;
+//! - `journal`: the journal stream; `scan`: reading and repairing keys for
+//!   reconcile.
+
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
+
+use redis::Script;
+
+mod call;
+mod conn;
+mod consume;
+mod health;
+mod journal;
+mod scan;
+mod write;
+
+pub use consume::{Attempt, ConsumeMode, KeyVersion, Marker, ScriptOutcome};
+pub use journal::{JournalEntry, ReadFrom, GROUP};
+pub use scan::{KeyRead, KeyState, ScanNode};
+pub use write::FastWrite;
+
+use crate::config::{RedisSettings, RedisTopology};
+use crate::health::Health;
+use crate::metrics::Metrics;
+use crate::token::Clock;
+use conn::Conn;
+
+#[derive(Debug, thiserror::Error)]
+pub enum FastError {
+    /// The call never reached Redis (the breaker is open, the connection was
+    /// refused, or the cluster refused it): nothing ran.
+    #[error("redis is marked down")]
+    Down,
+    #[error("redis call timed out")]
+    Timeout,
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error("redis answered something unexpected: {0}")]
+    Protocol(String),
+}
+
+struct Scripts {
+    consume: Script,
+    writeback: Script,
+    fast_write: Script,
+    issue: Script,
+    reconcile: Script,
+}
+
+pub struct FastTier {
+    settings: RedisSettings,
+    /// The connections, made on first use; dropped to be made again from
+    /// the seed nodes when a cluster stays unreachable (see [`FastTier::probe`]).
+    conns: std::sync::RwLock<Option<Arc<Vec<Conn>>>>,
+    /// Held while connecting, so that one caller connects and the others wait.
+    connecting: tokio::sync::Mutex<()>,
+    next: AtomicUsize,
+    /// The breaker, the latency window and the mode.
+    health: Health,
+    scripts: Scripts,
+    /// The service's clock (the breaker's backoff, fallbacks for replies).
+    clock: Arc<dyn Clock>,
+    metrics: Arc<Metrics>,
+    cluster: bool,
+    /// Cluster only: journal entries of decisions already made whose
+    /// separate `XADD` failed. The decision stands (its caller is told the
+    /// outcome); the entry is appended later ([`FastTier::flush_journal_backlog`]).
+    journal_backlog: std::sync::Mutex<std::collections::VecDeque<Vec<(&'static str, String)>>>,
+}
+
+impl std::fmt::Debug for FastTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FastTier")
+            .field("prefix", &self.settings.key_prefix)
+            .field("mode", &self.health.mode())
+            .finish()
+    }
+}
+
+impl FastTier {
+    /// Creates the tier without connecting: connections are made lazily, so
+    /// the service starts while Redis is down.
+    pub fn new(
+        settings: RedisSettings,
+        metrics: Arc<Metrics>,
+        clock: Arc<dyn Clock>,
+    ) -> Arc<FastTier> {
+        let cluster = matches!(settings.topology, RedisTopology::Cluster(_));
+        Arc::new(FastTier {
+            health: Health::new(&settings, metrics.clone(), clock.clone()),
+            clock,
+            settings,
+            conns: std::sync::RwLock::new(None),
+            connecting: tokio::sync::Mutex::new(()),
+            next: AtomicUsize::new(0),
+            scripts: Scripts {
+                consume: Script::new(include_str!("../lua/consume.lua")),
+                writeback: Script::new(include_str!("../lua/writeback.lua")),
+                fast_write: Script::new(include_str!("../lua/fast_write.lua")),
+                issue: Script::new(include_str!("../lua/issue.lua")),
+                reconcile: Script::new(include_str!("../lua/reconcile.lua")),
+            },
+            metrics,
+            cluster,
+            journal_backlog: Default::default(),
+        })
+    }
+}

@@ -1,0 +1,179 @@
+//! Writes to a token's key outside the consume script: the seed of an
+//! issued token, write-backs of what Postgres decided (versioned by
+//! generation), forgetting a key, and result or release of fast types.
+
+use super::{FastError, FastTier, Marker};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FastWrite {
+    Recorded,
+    Same,
+    Conflict(String),
+    NotConsumed,
+    Released,
+    NotReleasable,
+    Miss,
+}
+
+impl FastTier {
+    pub fn token_key(&self, token: &str) -> String {
+        format!("{}tok:{{{}}}", self.settings.key_prefix, token)
+    }
+
+    pub fn consumed_ttl_ms(&self) -> i64 {
+        i64::try_from(self.settings.consumed_ttl.as_millis()).unwrap_or(i64::MAX)
+    }
+
+    /// Seeds a freshly issued token with a relative TTL.
+    pub async fn seed(&self, token: &str, ttl_ms: i64) -> Result<(), FastError> {
+        let key = self.token_key(token);
+        let script = &self.scripts.issue;
+        self.call("issue", |mut c| async move {
+            script
+                .key(key)
+                .arg(ttl_ms.max(1))
+                .arg(0)
+                .invoke_async::<i64>(&mut c)
+                .await
+                .map(|_| ())
+        })
+        .await
+    }
+
+    /// Writes Postgres's consumed state at generation `gen` back (see
+    /// `writeback.lua`): only over an older generation, or to add the result
+    /// to the same generation's marker. The marker lives `redis.consumed_ttl`
+    /// from its consume (`marker.at_ms`), never past the retention. `true`
+    /// when written.
+    pub async fn write_consumed(
+        &self,
+        token: &str,
+        gen: i64,
+        marker: &Marker,
+    ) -> Result<bool, FastError> {
+        let life = self.consumed_ttl_ms();
+        self.writeback(token, "consumed", gen, life, Some(marker), "")
+            .await
+    }
+
+    /// Writes Postgres's issued state at generation `gen` back, with
+    /// `remaining_ms` to live (<= 0 deletes the key): only over an older
+    /// generation. `true` when written.
+    pub async fn write_issued(
+        &self,
+        token: &str,
+        gen: i64,
+        remaining_ms: i64,
+    ) -> Result<bool, FastError> {
+        self.writeback(token, "issued", gen, remaining_ms, None, "")
+            .await
+    }
+
+    pub(super) async fn writeback(
+        &self,
+        token: &str,
+        op: &'static str,
+        gen: i64,
+        ttl_ms: i64,
+        marker: Option<&Marker>,
+        owner: &str,
+    ) -> Result<bool, FastError> {
+        let key = self.token_key(token);
+        let script = &self.scripts.writeback;
+        let m = marker.cloned().unwrap_or_default();
+        let (key, m) = (&key, &m);
+        // Versioned, so safe to send again (see `connect`).
+        self.call_idempotent("writeback", |mut c| async move {
+            script
+                .key(key)
+                .arg(op)
+                .arg(gen)
+                .arg(ttl_ms)
+                .arg(m.at_ms)
+                .arg(m.request_id.as_deref().unwrap_or(""))
+                .arg(m.fingerprint.as_deref().unwrap_or(""))
+                .arg(m.result.as_deref().unwrap_or(""))
+                .arg(owner)
+                .invoke_async::<i64>(&mut c)
+                .await
+                .map(|n| n == 1)
+        })
+        .await
+    }
+
+    /// Deletes a token's key (before a durable release, so Postgres decides).
+    pub async fn forget(&self, token: &str) -> Result<(), FastError> {
+        let key = self.token_key(token);
+        self.call("forget", |mut c| async move {
+            redis::cmd("DEL")
+                .arg(key)
+                .query_async::<i64>(&mut c)
+                .await
+                .map(|_| ())
+        })
+        .await
+    }
+
+    /// Result or release of a fast biz type (see `fast_write.lua`).
+    pub async fn fast_write(
+        &self,
+        token: &str,
+        op: &'static str,
+        arg: String,
+        journal: &[(&'static str, String)],
+    ) -> Result<FastWrite, FastError> {
+        let key = self.token_key(token);
+        let journal_key = self.journal_key();
+        let script = &self.scripts.fast_write;
+        let append = self.journal_in_script() && !journal.is_empty();
+        let reply: Vec<String> = self
+            .call("fast_write", |mut c| async move {
+                let mut inv = script.key(key);
+                if append {
+                    inv.key(journal_key);
+                }
+                inv.arg(op).arg(arg).arg(if append { "1" } else { "0" });
+                if append {
+                    for (k, v) in journal {
+                        inv.arg(*k).arg(v.as_str());
+                    }
+                }
+                inv.invoke_async(&mut c).await
+            })
+            .await?;
+        let field = |i: usize| reply.get(i).cloned().unwrap_or_default();
+        let kind = reply.first().map(String::as_str).unwrap_or("");
+        let detail = field(1);
+        let out = match kind {
+            "recorded" => FastWrite::Recorded,
+            "same" => FastWrite::Same,
+            "conflict" => FastWrite::Conflict(detail),
+            "not_consumed" => FastWrite::NotConsumed,
+            "released" => FastWrite::Released,
+            "not_releasable" => FastWrite::NotReleasable,
+            "miss" => FastWrite::Miss,
+            other => {
+                return Err(FastError::Protocol(format!(
+                    "fast_write answered {other:?}"
+                )))
+            }
+        };
+        if !append
+            && matches!(out, FastWrite::Recorded | FastWrite::Released)
+            && !journal.is_empty()
+        {
+            // Cluster: what the script would have added to the entry.
+            use crate::journal::{AT, CONSUMED_AT, FINGERPRINT, GEN, REQUEST_ID};
+            let mut entry = journal.to_vec();
+            entry.push((GEN, field(2)));
+            entry.push((AT, field(3)));
+            if out == FastWrite::Recorded {
+                entry.push((CONSUMED_AT, field(4)));
+                entry.push((REQUEST_ID, field(5)));
+                entry.push((FINGERPRINT, field(6)));
+            }
+            self.append_or_queue(entry).await;
+        }
+        Ok(out)
+    }
+}

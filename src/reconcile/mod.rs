@@ -1,0 +1,93 @@
+//! Reconciliation: compares the tiers and repairs what diverged, in batches,
+//! under a Postgres advisory lock (one run at a time across the fleet).
+//!
+//! Phases, in this order (each one makes the next one's comparison truer):
+//! 1. `journal_not_durable`: fast-type journal entries still in the Redis
+//!    stream are written to Postgres (the journal drainer's own code).
+//! 2. A `SCAN` of `<prefix>tok:*` in pages, each page read with one pipeline
+//!    and compared with Postgres in one query:
+//!    `redis_live_but_consumed` (Redis says issued at a generation older than
+//!    the one Postgres consumed the token at: the key is deleted, so Postgres
+//!    answers; a fast release Redis decided and the journal has not carried
+//!    yet is newer, and left alone), `stale_provisional` (a provisional
+//!    marker past its deadline: back to issued with the remaining TTL, or to
+//!    consumed when Postgres consumed it) and `redis_consumed_but_live` (a
+//!    durable token's consumed marker while Postgres holds it issued: a
+//!    release lost in a failover, a write-back that lost a race; the marker
+//!    gives way to the issued state with the remaining TTL).
+//! 3. Keyset pages of the tokens Postgres holds as issued and live:
+//!    `redis_missing_but_live` (re-seeded at Postgres's generation with the
+//!    remaining TTL by Postgres's clock; never overwriting a key; undone when
+//!    a consume won meanwhile).
+//! 4. Keyset pages of orders: `order_inconsistent` (reported, never repaired).
+//! 5. `expired_purgeable`: records past `tokens.retention` (and past their
+//!    own expiry) are deleted in batches; they then answer `token_expired`.
+//!
+//! Every repair writes a `reconcile.repaired` audit event whose detail names
+//! the class. Every Redis repair is one script on one key that checks the
+//! state and generation it expects first, so a repair racing live traffic
+//! does nothing rather than something wrong. No repair makes a token live
+//! that Postgres holds consumed. Journal entries that can never apply (the
+//! dead-letter stream) are named in the report's `errors`.
+//! The run stops between batches when cancelled; rerunning continues the job.
+//!
+//! The files: `run` (the lock, the run record, the phases in order), one per
+//! phase (`journal`, `keys`, `live`, `orders`, `purge`), [`report`] (classes,
+//! phases, the report, progress) and `metrics` (the last run's gauges).
+
+mod journal;
+mod keys;
+mod live;
+mod metrics;
+mod orders;
+mod purge;
+pub mod report;
+mod run;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::PgPool;
+
+use crate::durable::DurableError;
+use crate::fast::FastTier;
+use crate::token::{Clock, TokenCodec};
+
+pub use crate::durable::reconcile::LOCK_KEY;
+pub use metrics::{last_run_metrics, LAST_RUN_REFRESH};
+pub use report::{
+    Class, Classes, InconsistentOrder, LogProgress, Phase, Progress, Quiet, Report, Scanned,
+};
+pub(crate) use run::error_chain;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    /// Another run holds the advisory lock (CLI exit 3, HTTP 409).
+    #[error("another reconcile run holds the lock")]
+    Running,
+    #[error("postgres")]
+    Postgres(#[from] DurableError),
+}
+
+/// What to do.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// Find and report only; change nothing.
+    pub dry_run: bool,
+    /// Only tokens issued, and orders updated, this recently (the journal and
+    /// the retention purge are always whole).
+    pub since: Option<Duration>,
+}
+
+/// Runs reconciliations. Cheap to build; holds the admin pool.
+#[derive(Debug, Clone)]
+pub struct Reconciler {
+    pool: PgPool,
+    fast: Arc<FastTier>,
+    codec: TokenCodec,
+    retention: Duration,
+    batch: usize,
+    /// Only for the report's start and finish times: Postgres `now()` and
+    /// Redis's clock judge expiry and deadlines.
+    clock: Arc<dyn Clock>,
+}
