@@ -219,3 +219,53 @@ fn an_attempt_in_flight_answers_only_plain_duplicates() {
         );
     }
 }
+
+// The same rows answered from a Redis marker instead of a Postgres row.
+
+#[test]
+fn another_fingerprint_is_refused_from_a_redis_marker_too() {
+    let prior = Prior::from_marker(&consumed_marker(Some("{\"ok\":1}")));
+    for i in [input(None, Some("f2")), input(Some("r1"), Some("f2"))] {
+        assert!(
+            matches!(
+                classify(&prior, &i, false, now()),
+                Err(LedgerError::FingerprintMismatch)
+            ),
+            "{i:?}"
+        );
+    }
+}
+
+#[test]
+fn a_marker_without_a_request_id_never_replays_consumed() {
+    let mut marker = consumed_marker(None);
+    marker.request_id = None;
+    let prior = Prior::from_marker(&marker);
+    assert_eq!(
+        classify(&prior, &input(Some("r1"), None), false, now()).unwrap(),
+        Some(duplicate(DuplicateStatus::Processing, None))
+    );
+}
+
+#[test]
+fn a_replay_from_a_marker_without_its_consume_time_answers_the_clock() {
+    let mut marker = consumed_marker(None);
+    marker.at_ms = 0;
+    let prior = Prior::from_marker(&marker);
+    assert_eq!(
+        classify(&prior, &input(Some("r1"), None), false, now()).unwrap(),
+        Some(ConsumeAnswer::Consumed {
+            consumed_at: now(),
+            replayed: true
+        })
+    );
+}
+
+#[test]
+fn an_attempt_in_flight_never_shows_a_result() {
+    let prior = Prior::from_marker(&consumed_marker(Some("{\"ok\":1}")));
+    assert_eq!(
+        classify(&prior, &input(None, None), true, now()).unwrap(),
+        Some(duplicate(DuplicateStatus::Processing, None))
+    );
+}
