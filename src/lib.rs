@@ -3,27 +3,50 @@
 //! durable biz types; a signed token rejects forgeries before any I/O.
 //!
 //! # Layout
-//! - [`config`]: the embedded defaults, a file and `LEDGER__*` variables, validated.
-//! - [`domain`]: validated request values (biz type, subject, fingerprint, ...).
+//! - [`config`]: the embedded defaults, a file and `LEDGER__*` variables, validated
+//!   (`config/`: `settings`, `raw`, `load`, `validate`, `parse`, `redact`).
+//! - [`domain`]: validated request values (biz type, subject, fingerprint, ...);
+//!   `domain/order.rs`: the order state machine, one pure `transition`.
 //! - [`auth`]: clients, roles, API keys (hashed, compared in constant time).
 //! - [`token`]: the token codec, HMAC tags, snowflake ids, the clock. Pure.
 //! - [`bloom`]: the fleet-wide filter of issued token ids (forgeries refused without I/O).
 //! - [`lease`]: the snowflake worker id this instance holds.
-//! - [`fast`]: the Redis tier and its Lua scripts.
+//! - [`fast`]: the Redis tier and its Lua scripts (`fast/`: `conn`, `call`,
+//!   `consume`, `write`, `health`, `journal`, `scan`; scripts in `lua/`).
 //! - [`health`]: Redis's breaker, latency window and the mode (normal, degraded, redis_down).
-//! - [`durable`]: the Postgres tier: pools, migrations, every SQL statement.
-//! - [`ledger`]: issue, consume, result, release: the only module using both tiers.
-//! - [`orders`]: the payment state machine, atomic with token consumption.
+//! - [`durable`]: the Postgres tier: pools, migrations, every SQL statement
+//!   (`durable/`: `tokens`, `orders`, `journal`, `admin`, `reconcile`, ...).
+//! - [`ledger`]: issue, consume, result, release: the only module using both tiers
+//!   (`ledger/`: `core`, `issue`, `consume`, `degraded`, `orders`, `result`, `api`).
+//! - [`orders`]: orders and their events, each consuming its token through the
+//!   ledger in the order's transaction.
 //! - [`journal`]: fast-type decisions drained from a Redis stream into Postgres.
 //! - [`writer`]: batched Postgres writes that may lag the answer.
 //! - [`metrics`]: Prometheus metrics and fleet-wide stats counters.
 //! - [`admin`]: audit queries (one token, event pages, stats) for HTTP and CLI.
-//! - [`reconcile`]: compares the tiers and repairs divergence, one run at a time.
+//! - [`reconcile`]: compares the tiers and repairs divergence, one run at a time
+//!   (`reconcile/`: `run`, one file per phase, `report`, `metrics`).
 //! - [`http`]: routes, extractors, errors, OpenAPI.
 //! - [`startup`]: building and running the service.
 //! - [`cli`]: the command line.
 //! - [`telemetry`]: structured logs.
 //! - [`tls`]: rustls for Postgres (`sslmode`, `sslrootcert`) and Redis CA files.
+//!
+//! # How a consume flows
+//! 1. [`http`] (`http/tokens.rs`): parse and authenticate, call
+//!    `Ledger::consume`, shape the answer. No pool, no Redis connection.
+//! 2. [`ledger`] (`ledger/core.rs`): verify the token and ask [`bloom`], no I/O;
+//!    then `ledger/consume.rs` runs the protocol.
+//! 3. [`fast`] (`fast/consume.rs`, `lua/consume.lua`): one script on the
+//!    token's key. A durable type gets a provisional marker and goes on to
+//!    [`durable`] (`durable/tokens.rs`, one statement decides); Redis learns
+//!    the decision afterwards (`fast/write.rs`). A fast type is decided by the
+//!    script, which appends the decision to the journal stream.
+//! 4. [`journal`]: the drainer reads the stream (`fast/journal.rs`) and writes
+//!    it to Postgres (`durable/journal.rs`).
+//!
+//! In the degraded modes ([`health`]) step 3 skips Redis: durable types go
+//! straight to Postgres, fast types through `ledger/degraded.rs`.
 
 pub mod admin;
 pub mod auth;
