@@ -8,7 +8,6 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 
 use crate::helpers::*;
-use crate::reconcile::{cli, cli_config};
 
 async fn get_json(app: &TestApp, key: &str, path: &str) -> (StatusCode, Value) {
     let (s, _, body) = answer(app.get(key, path).await).await;

@@ -10,7 +10,6 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 
 use crate::helpers::*;
-use crate::reconcile::{cli, cli_config};
 
 /// Runs the binary with `args` and extra environment variables (`LEDGER__*`
 /// of the test process are not passed on).
@@ -380,10 +379,7 @@ async fn audit_token_tells_not_found_from_could_not_ask() {
 
     // Postgres where nothing listens: nothing can be said about the token.
     let mut down = Stores::fresh();
-    down.pg_base = format!(
-        "postgres://postgres@127.0.0.1:{}",
-        crate::procs::free_port()
-    );
+    down.pg_base = format!("postgres://postgres@127.0.0.1:{}", free_port());
     let config = cli_config(&down);
     let out = cli(&config, &["audit", "token", &unknown]).await;
     assert_eq!(out.status.code(), Some(5), "{}", text(&out.stderr));
@@ -448,7 +444,7 @@ async fn health_exits_0_while_the_service_answers_and_1_when_it_does_not() {
     assert!(text(&out.stderr).contains("404"), "{}", text(&out.stderr));
     app.stop().await;
 
-    let free = crate::procs::free_port();
+    let free = free_port();
     let out = bin(
         &[
             "health",

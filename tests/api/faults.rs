@@ -14,8 +14,8 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 use tokio::sync::Barrier;
 
+use crate::helpers::procs::*;
 use crate::helpers::*;
-use crate::procs::*;
 
 /// No request of these tests may take longer (a bound, not a benchmark).
 const REQUEST_BOUND: Duration = Duration::from_secs(10);

@@ -7,8 +7,8 @@
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 
+use crate::helpers::procs::*;
 use crate::helpers::*;
-use crate::procs::*;
 
 /// The service's sessions in this test's database that sit idle right now,
 /// once every one of them does (a connection going back to the pool is

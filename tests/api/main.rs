@@ -16,7 +16,6 @@ mod issue;
 mod metrics;
 mod orders;
 mod orders_model;
-mod procs;
 mod reconcile;
 mod result_release;
 mod security;

@@ -19,6 +19,7 @@ use serde_json::{json, Value};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
+use crate::helpers::procs::Cluster;
 use crate::helpers::*;
 
 /// A reconciler of its own (own pools and Redis connections), as the CLI has.
@@ -56,42 +57,6 @@ async fn run(stores: &Stores, dry_run: bool) -> Report {
     report
 }
 
-/// Writes a config file for the CLI binary pointing at this test's stores.
-pub fn cli_config(stores: &Stores) -> tempfile::NamedTempFile {
-    let file = tempfile::NamedTempFile::new().expect("temp file");
-    std::fs::write(
-        file.path(),
-        format!(
-            "[postgres]\nurl = \"{}\"\nadmin_pool_size = 2\n\n[redis]\nurl = \"{}\"\nkey_prefix = \"{}\"\ntimeout = \"2s\"\n",
-            stores.db_url(),
-            stores.redis_url,
-            stores.prefix
-        ),
-    )
-    .expect("config written");
-    file
-}
-
-/// Runs the binary with `--config` and `args`; stdout is a pipe (not a terminal).
-pub async fn cli(config: &tempfile::NamedTempFile, args: &[&str]) -> Output {
-    tokio::process::Command::new(env!("CARGO_BIN_EXE_idempotency-ledger"))
-        .arg("--config")
-        .arg(config.path())
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .await
-        .expect("the binary runs")
-}
-
-async fn redis_conn() -> redis::aio::MultiplexedConnection {
-    redis::Client::open(REDIS_URL)
-        .expect("redis url")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("redis connection")
-}
-
 async fn token_id(pg: &PgPool, token: &str) -> i64 {
     eventually(5, || async {
         sqlx::query_scalar::<_, i64>("SELECT id FROM tokens WHERE token = $1")
@@ -105,10 +70,6 @@ async fn token_id(pg: &PgPool, token: &str) -> i64 {
 
 async fn state_of(r: &mut redis::aio::MultiplexedConnection, key: &str) -> Option<String> {
     r.hget(key, "s").await.expect("hget")
-}
-
-fn now_ms() -> i64 {
-    chrono::Utc::now().timestamp_millis()
 }
 
 /// Inserts a token row by hand (for ages no real clock reaches in a test).
@@ -765,7 +726,7 @@ async fn an_interrupted_run_stops_between_batches_and_a_rerun_finishes() {
 /// a reconcile that scanned one node only would find a third of them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn on_a_cluster_every_master_is_scanned_and_repaired() {
-    let cluster = crate::procs::Cluster::start();
+    let cluster = Cluster::start();
     let stores = Stores::fresh()
         .redis("")
         .with(&cluster.config_line())

@@ -5,8 +5,7 @@
 
 use std::collections::HashMap;
 use std::io::Read;
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -16,6 +15,7 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
+use crate::helpers::procs::{PgProc, RedisProc};
 use crate::helpers::*;
 
 const DEV_KEYS: [&str; 4] = [
@@ -26,18 +26,6 @@ const DEV_KEYS: [&str; 4] = [
 ];
 const DEV_SECRET: &str = "development-only-signing-secret-0123456789";
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
-}
-
-fn now_ms() -> i64 {
-    chrono::Utc::now().timestamp_millis()
-}
-
 fn id_of(app: &TestApp, token: &str) -> SnowflakeId {
     TokenCodec::new(app.stores.settings().tokens.signing_keys.clone())
         .verify(token)
@@ -46,79 +34,26 @@ fn id_of(app: &TestApp, token: &str) -> SnowflakeId {
         .id
 }
 
-/// A redis-server of this test's own, killed on drop: its command counters
-/// move only because of this test's app.
-struct PrivateRedis {
-    child: Child,
-    url: String,
-}
-
-impl PrivateRedis {
-    async fn start() -> PrivateRedis {
-        let port = free_port();
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server starts");
-        let url = format!("redis://127.0.0.1:{port}");
-        let client = redis::Client::open(url.as_str()).expect("url");
-        eventually(10, || {
-            let client = client.clone();
-            async move {
-                let mut c = client.get_multiplexed_async_connection().await.ok()?;
-                redis::cmd("PING")
-                    .query_async::<String>(&mut c)
-                    .await
-                    .ok()
-                    .map(|_| ())
-            }
+/// Calls per command since the server started (`INFO commandstats`).
+async fn redis_calls(redis: &RedisProc) -> HashMap<String, u64> {
+    let mut c = redis.conn().await;
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut c)
+        .await
+        .expect("info");
+    info.lines()
+        .filter_map(|l| {
+            let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = rest
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("calls="))?
+                .parse()
+                .ok()?;
+            Some((name.to_owned(), calls))
         })
-        .await;
-        PrivateRedis { child, url }
-    }
-
-    /// Calls per command since the server started (`INFO commandstats`).
-    async fn calls(&self) -> HashMap<String, u64> {
-        let client = redis::Client::open(self.url.as_str()).expect("url");
-        let mut c = client
-            .get_multiplexed_async_connection()
-            .await
-            .expect("redis");
-        let info: String = redis::cmd("INFO")
-            .arg("commandstats")
-            .query_async(&mut c)
-            .await
-            .expect("info");
-        info.lines()
-            .filter_map(|l| {
-                let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
-                let calls = rest
-                    .split(',')
-                    .find_map(|kv| kv.strip_prefix("calls="))?
-                    .parse()
-                    .ok()?;
-                Some((name.to_owned(), calls))
-            })
-            .collect()
-    }
+        .collect()
 }
-
-impl Drop for PrivateRedis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Commands of the app's background tasks and of this test's own probes
 /// (connection setup, the journal poller, INFO): everything else is the
 /// request path.
@@ -302,14 +237,14 @@ fn path_segment(text: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn forged_tokens_cost_no_redis_or_postgres_round_trip() {
-    let redis = PrivateRedis::start().await;
+    let redis = RedisProc::start();
     // A private Postgres too: the transaction count below is database-wide,
     // and on the shared server transactions that are not the service's land
     // in the test's database now and then (10 to 40 in a window, seen under
     // load; on a private server the window holds only the service's lease
     // renewal and stats flush).
-    let pg = crate::procs::PgProc::start();
-    let app = spawn_app_on(Stores::fresh().redis(&redis.url).postgres(&pg.base())).await;
+    let pg = PgProc::start();
+    let app = spawn_app_on(Stores::fresh().redis(&redis.url()).postgres(&pg.base())).await;
     let mut genuine = Vec::new();
     for (biz, subject) in [("order", "u"), ("refund", "u"), ("like", "u")] {
         genuine.push(app.issue(PAYMENTS, biz, subject).await);
@@ -320,7 +255,7 @@ async fn forged_tokens_cost_no_redis_or_postgres_round_trip() {
     // Before: the issuance records written and every backend's statistics
     // published (the start-up load of the filter scanned `tokens` too).
     let (pg_before, _) = pg_counters_quiet(&pool).await;
-    let redis_before = redis.calls().await;
+    let redis_before = redis_calls(&redis).await;
     let started = Instant::now();
 
     let mut requests: Vec<(String, &'static str)> = other
@@ -366,7 +301,7 @@ async fn forged_tokens_cost_no_redis_or_postgres_round_trip() {
         );
     }
 
-    let redis_delta = request_path_delta(&redis_before, &redis.calls().await);
+    let redis_delta = request_path_delta(&redis_before, &redis_calls(&redis).await);
     assert!(
         redis_delta.is_empty(),
         "forged tokens reached redis: {redis_delta:?}"
@@ -404,7 +339,7 @@ async fn forged_tokens_cost_no_redis_or_postgres_round_trip() {
         (s, body["outcome"].as_str()),
         (StatusCode::OK, Some("consumed"))
     );
-    let redis_delta = request_path_delta(&redis_before, &redis.calls().await);
+    let redis_delta = request_path_delta(&redis_before, &redis_calls(&redis).await);
     assert!(!redis_delta.is_empty(), "the control consume reached redis");
     eventually(15, || {
         let pool = pool.clone();

@@ -1,63 +1,13 @@
 //! Start-up checks from DESIGN.md's measured facts.
 
-use std::process::{Child, Command, Stdio};
-
+use crate::helpers::procs::RedisProc;
 use crate::helpers::*;
-
-struct PrivateRedis(Child);
-
-impl Drop for PrivateRedis {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
-async fn private_redis(args: &[&str]) -> (PrivateRedis, String) {
-    let port = free_port();
-    let child = Command::new("redis-server")
-        .args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .args(args)
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("redis-server starts");
-    let url = format!("redis://127.0.0.1:{port}");
-    let guard = PrivateRedis(child);
-    let client = redis::Client::open(url.as_str()).expect("url");
-    eventually(10, || {
-        let client = client.clone();
-        async move {
-            client
-                .get_multiplexed_async_connection()
-                .await
-                .ok()
-                .map(|_| ())
-        }
-    })
-    .await;
-    (guard, url)
-}
 
 #[tokio::test]
 async fn an_evicting_redis_is_flagged() {
-    let (_redis, url) =
-        private_redis(&["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"]).await;
+    let redis =
+        RedisProc::start_with_args(&["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"]);
+    let url = redis.url();
     let app = spawn_app_on(Stores::fresh().redis(&url)).await;
     let text = app.metrics_text().await;
     assert!(text.contains("ledger_redis_eviction_unsafe 1"), "{text}");

@@ -17,8 +17,8 @@ use reqwest::StatusCode;
 use serde_json::json;
 use tempfile::TempDir;
 
+use crate::helpers::procs::PgProc;
 use crate::helpers::*;
-use crate::procs::{free_port, PgProc};
 
 /// A CA, a second unrelated CA, and server certificates signed by the first.
 struct Pki {

@@ -24,8 +24,8 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 use sqlx::{PgPool, Row};
 
+use crate::helpers::procs::RedisProc;
 use crate::helpers::*;
-use crate::procs::RedisProc;
 
 mod embedded {
     refinery::embed_migrations!("migrations");

@@ -1,6 +1,9 @@
 //! `spawn_app()`: the service in-process on a random port, with its own fresh
-//! database and its own Redis key prefix, so tests run in parallel.
+//! database and its own Redis key prefix, so tests run in parallel; the
+//! helpers every test file shares (the CLI binary, polling, clocks), and in
+//! [`procs`] private servers for the tests that stop, kill or stall one.
 
+use std::process::Output;
 use std::sync::Arc;
 
 use idempotency_ledger::config::Settings;
@@ -10,6 +13,10 @@ use idempotency_ledger::token::{Claims, Clock, SnowflakeId, SystemClock, TokenCo
 use reqwest::{Response, StatusCode};
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
+
+pub mod procs;
+
+pub use procs::free_port;
 
 pub const PG_BASE: &str = "postgres://postgres@127.0.0.1:5432";
 /// Tests use Redis database 2 of the shared server (isolated further by a key
@@ -289,4 +296,47 @@ where
         }
     })
     .await;
+}
+
+/// Writes a config file for the CLI binary pointing at this test's stores.
+pub fn cli_config(stores: &Stores) -> tempfile::NamedTempFile {
+    let file = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(
+        file.path(),
+        format!(
+            "[postgres]\nurl = \"{}\"\nadmin_pool_size = 2\n\n[redis]\nurl = \"{}\"\nkey_prefix = \"{}\"\ntimeout = \"2s\"\n",
+            stores.db_url(),
+            stores.redis_url,
+            stores.prefix
+        ),
+    )
+    .expect("config written");
+    file
+}
+
+/// Runs the binary with `--config` and `args`; stdout is a pipe (not a terminal).
+pub async fn cli(config: &tempfile::NamedTempFile, args: &[&str]) -> Output {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_idempotency-ledger"))
+        .arg("--config")
+        .arg(config.path())
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .expect("the binary runs")
+}
+
+/// A connection to the shared test Redis (`REDIS_URL`); keys are the test's
+/// to prefix.
+pub async fn redis_conn() -> redis::aio::MultiplexedConnection {
+    redis::Client::open(REDIS_URL)
+        .expect("redis url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis connection")
+}
+
+/// Wall-clock milliseconds, for tokens and records a test builds by hand.
+pub fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
 }

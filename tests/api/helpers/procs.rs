@@ -68,6 +68,8 @@ pub struct RedisProc {
     child: Option<Child>,
     dir: TempDir,
     cluster: bool,
+    /// Extra `redis-server` arguments, kept for restarts.
+    args: Vec<String>,
 }
 
 impl RedisProc {
@@ -76,12 +78,26 @@ impl RedisProc {
         Self::start_with(false)
     }
 
+    /// A standalone server started with extra arguments (`--maxmemory ...`).
+    pub fn start_with_args(args: &[&str]) -> RedisProc {
+        let mut r = RedisProc {
+            port: free_port(),
+            child: None,
+            dir: tempfile::tempdir().expect("tempdir"),
+            cluster: false,
+            args: args.iter().map(|a| a.to_string()).collect(),
+        };
+        r.spawn();
+        r
+    }
+
     fn start_with(cluster: bool) -> RedisProc {
         let mut r = RedisProc {
             port: free_port(),
             child: None,
             dir: tempfile::tempdir().expect("tempdir"),
             cluster,
+            args: Vec::new(),
         };
         r.spawn();
         r
@@ -106,6 +122,7 @@ impl RedisProc {
             ])
             .args(["--cluster-node-timeout", "1000"]);
         }
+        cmd.args(&self.args);
         let child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
