@@ -52,6 +52,12 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+mod key;
+mod stored;
+
+use key::{idempotency_key, is_safe, ledger_key};
+use stored::{replay, Stored};
+
 use base64::Engine as _;
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
@@ -282,70 +288,6 @@ fn with_retry_after(mut resp: Response<BoxBody>, after: Duration) -> Response<Bo
     resp
 }
 
-/// The key of a request: absent, or its value (an RFC 8941 string such as
-/// `"8e03978e"` as the draft writes it, or the bare text as many clients
-/// send it), or why it is unusable.
-fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, String> {
-    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
-    let Some(value) = values.next() else {
-        return Ok(None);
-    };
-    if values.next().is_some() {
-        return Err("send one Idempotency-Key header, not several".into());
-    }
-    let text = value
-        .to_str()
-        .map_err(|_| "the Idempotency-Key must be printable ASCII".to_owned())?
-        .trim_matches([' ', '\t']);
-    let key = match text.strip_prefix('"') {
-        Some(rest) => {
-            let inner = rest
-                .strip_suffix('"')
-                .ok_or_else(|| "the quoted Idempotency-Key has no closing quote".to_owned())?;
-            let mut key = String::with_capacity(inner.len());
-            let mut chars = inner.chars();
-            while let Some(c) = chars.next() {
-                match c {
-                    '\\' => match chars.next() {
-                        Some(e @ ('"' | '\\')) => key.push(e),
-                        _ => return Err("a bad escape in the quoted Idempotency-Key".into()),
-                    },
-                    '"' => return Err("a bare quote inside the quoted Idempotency-Key".into()),
-                    c => key.push(c),
-                }
-            }
-            key
-        }
-        None => text.to_owned(),
-    };
-    if key.is_empty() || !key.bytes().all(|b| (0x20..=0x7e).contains(&b)) {
-        return Err("the Idempotency-Key must be 1 to 255 printable ASCII characters".into());
-    }
-    Ok(Some(key))
-}
-
-/// The key in the ledger: the header's key, prefixed by its scope's digest.
-fn ledger_key(config: &Config, parts: &http::request::Parts, key: &str) -> Result<String, String> {
-    let scoped = match config.scope.as_ref().and_then(|scope| scope(parts)) {
-        Some(scope) => format!("{}:{key}", short_digest(&scope)),
-        None => key.to_owned(),
-    };
-    if scoped.len() > MAX_KEY {
-        return Err(format!(
-            "the Idempotency-Key is too long (at most {} characters)",
-            MAX_KEY - (scoped.len() - key.len())
-        ));
-    }
-    Ok(scoped)
-}
-
-fn is_safe(method: &Method) -> bool {
-    matches!(
-        *method,
-        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
-    )
-}
-
 async fn handle<S, ReqB, ResB>(
     config: Arc<Config>,
     inner: S,
@@ -566,87 +508,6 @@ where
     Response::from_parts(parts, full(body))
 }
 
-/// A response as the key's result.
-#[derive(Debug, Serialize, Deserialize)]
-struct Stored {
-    status: u16,
-    headers: Vec<(String, String)>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    body: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    body_base64: Option<String>,
-}
-
-impl Stored {
-    fn of(status: StatusCode, headers: &HeaderMap, keep: &[HeaderName], body: &[u8]) -> Stored {
-        let headers = keep
-            .iter()
-            .flat_map(|name| {
-                headers
-                    .get_all(name)
-                    .iter()
-                    .filter_map(|v| v.to_str().ok())
-                    .map(|v| (name.as_str().to_owned(), v.to_owned()))
-            })
-            .collect();
-        let mut stored = Stored {
-            status: status.as_u16(),
-            headers,
-            body: None,
-            body_base64: None,
-        };
-        match std::str::from_utf8(body) {
-            // Postgres cannot hold U+0000 in JSON text: such bodies go as base64.
-            Ok(text) if !text.contains('\0') => stored.body = Some(text.to_owned()),
-            _ => stored.body_base64 = Some(base64::engine::general_purpose::STANDARD.encode(body)),
-        }
-        let size = serde_json::to_vec(&stored).map_or(usize::MAX, |v| v.len());
-        if size > MAX_STORED {
-            stored.body = None;
-            stored.body_base64 = None;
-        }
-        stored
-    }
-}
-
-/// The stored response again, with `Idempotent-Replayed: true`.
-fn replay(result: serde_json::Value) -> Response<BoxBody> {
-    let stored: Stored = match serde_json::from_value(result) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(error = %e, "the key's result is not a stored response");
-            return problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "Stored response unreadable",
-                "This Idempotency-Key was completed, but its response cannot be replayed.",
-            );
-        }
-    };
-    let body = match (stored.body, stored.body_base64) {
-        (Some(text), _) => Bytes::from(text),
-        (None, Some(b64)) => match base64::engine::general_purpose::STANDARD.decode(b64) {
-            Ok(bytes) => Bytes::from(bytes),
-            Err(_) => Bytes::new(),
-        },
-        (None, None) => Bytes::new(),
-    };
-    let mut resp = Response::new(full(body));
-    *resp.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
-    for (name, value) in stored.headers {
-        if let (Ok(name), Ok(value)) = (
-            HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_str(&value),
-        ) {
-            resp.headers_mut().append(name, value);
-        }
-    }
-    resp.headers_mut().insert(
-        HeaderName::from_static(REPLAYED),
-        HeaderValue::from_static("true"),
-    );
-    resp
-}
-
 /// Turns a panic while polling the handler into a value, so the key can be
 /// released before the panic goes on.
 struct CatchUnwind<F>(Pin<Box<F>>);
@@ -664,50 +525,4 @@ impl<F: Future> Future for CatchUnwind<F> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn key_of(v: &str) -> Result<Option<String>, String> {
-        let mut h = HeaderMap::new();
-        h.insert(IDEMPOTENCY_KEY, HeaderValue::from_str(v).unwrap());
-        idempotency_key(&h)
-    }
-
-    #[test]
-    fn keys_are_read_quoted_or_bare_and_bad_ones_refused() {
-        assert_eq!(
-            key_of(r#""8e03978e-40d5""#),
-            Ok(Some("8e03978e-40d5".into()))
-        );
-        assert_eq!(key_of(r#""a\"b\\c""#), Ok(Some(r#"a"b\c"#.into())));
-        assert_eq!(key_of("  bare-key "), Ok(Some("bare-key".into())));
-        assert!(key_of(r#""open"#).is_err());
-        assert!(key_of(r#""a"b""#).is_err());
-        assert!(key_of(r#""""#).is_err());
-        assert!(key_of("tab\there").is_err());
-        assert_eq!(idempotency_key(&HeaderMap::new()), Ok(None));
-        let mut two = HeaderMap::new();
-        two.append(IDEMPOTENCY_KEY, HeaderValue::from_static("a"));
-        two.append(IDEMPOTENCY_KEY, HeaderValue::from_static("b"));
-        assert!(idempotency_key(&two).is_err());
-    }
-
-    #[test]
-    fn stored_responses_replay_status_kept_headers_and_body() {
-        let mut h = HeaderMap::new();
-        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        h.insert("set-cookie", HeaderValue::from_static("secret=1"));
-        let keep = [HeaderName::from_static("content-type")];
-        for body in [&b"{\"ok\":true}"[..], &[0xff, 0x00, 0x01][..]] {
-            let stored = Stored::of(StatusCode::CREATED, &h, &keep, body);
-            let resp = replay(serde_json::to_value(&stored).unwrap());
-            assert_eq!(resp.status(), StatusCode::CREATED);
-            assert_eq!(resp.headers()[CONTENT_TYPE], "application/json");
-            assert!(resp.headers().get("set-cookie").is_none());
-            assert_eq!(resp.headers()[REPLAYED], "true");
-        }
-        let big = vec![b'x'; MAX_STORED + 1];
-        let stored = Stored::of(StatusCode::OK, &h, &keep, &big);
-        assert!(stored.body.is_none() && stored.body_base64.is_none());
-    }
-}
+mod tests;
