@@ -1,5 +1,5 @@
 //! Audit queries shared by the HTTP admin routes and the `audit` CLI
-//! ([`Admin`]): what happened to one token, pages of audit events (opaque
+//! ([`Admin`]): what happened to one token or client key, pages of audit events (opaque
 //! keyset cursor over `(at, id)`, newest first) and the fleet-wide stats.
 //! Reads the admin pool only; SQL lives in [`crate::durable::admin`].
 
@@ -34,6 +34,10 @@ pub enum AdminError {
     TokenInvalid,
     #[error("this fleet has no record of the token")]
     TokenNotFound,
+    #[error(
+        "this fleet has no record of the key (never consumed, or purged with its audit trail)"
+    )]
+    KeyNotFound,
     #[error("the cursor is not one this service handed out")]
     InvalidCursor,
     #[error("{0}")]
@@ -105,6 +109,32 @@ pub struct TokenView {
     pub events: Vec<AuditEvent>,
 }
 
+/// `GET /v1/admin/keys`: the token view's shape, with `key` and `client`
+/// instead of `token`.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct KeyView {
+    pub key: String,
+    pub client: String,
+    pub biz_type: String,
+    /// The subject its first consume named, if any.
+    pub subject: Option<String>,
+    /// `issued` (released, consumable again), `consumed`, or `expired`
+    /// (forgotten after retention: only its audit events remain).
+    #[schema(example = "consumed")]
+    pub state: &'static str,
+    /// Its first consume.
+    pub issued_at: Option<String>,
+    pub consumed_at: Option<String>,
+    pub fingerprint: Option<String>,
+    pub request_id: Option<String>,
+    /// Any JSON value, as recorded.
+    pub result: Option<Json>,
+    /// Consume attempts answered `duplicate` (flushed every few seconds).
+    pub duplicate_attempts: i64,
+    /// The key's audit events, oldest first.
+    pub events: Vec<AuditEvent>,
+}
+
 /// The audit queries over the admin pool (payments never wait behind them).
 #[derive(Debug, Clone)]
 pub struct Admin {
@@ -128,6 +158,54 @@ impl Admin {
     /// record nor an audit event of it.
     pub async fn token(&self, text: &str) -> Result<TokenView, AdminError> {
         token(&self.pool, &self.codec, text).await
+    }
+
+    /// One client key of `client` under `biz`: its record and its audit
+    /// events. `KeyNotFound` when Postgres has neither.
+    pub async fn key(
+        &self,
+        client: &str,
+        biz: &crate::domain::BizType,
+        key: &crate::domain::key::ClientKey,
+    ) -> Result<KeyView, AdminError> {
+        let id = crate::domain::key::identity(client, biz, key).id;
+        let (row, events) = sql::token_story(&self.pool, id, TOKEN_EVENTS_LIMIT).await?;
+        let events: Vec<AuditEvent> = events.into_iter().map(AuditEvent::from).collect();
+        let view = KeyView {
+            key: key.as_str().to_owned(),
+            client: client.to_owned(),
+            biz_type: biz.to_string(),
+            subject: None,
+            state: "expired",
+            issued_at: None,
+            consumed_at: None,
+            fingerprint: None,
+            request_id: None,
+            result: None,
+            duplicate_attempts: 0,
+            events,
+        };
+        let Some(row) = row else {
+            if view.events.is_empty() {
+                return Err(AdminError::KeyNotFound);
+            }
+            let subject = view.events.iter().find_map(|e| e.subject.clone());
+            return Ok(KeyView { subject, ..view });
+        };
+        Ok(KeyView {
+            subject: Some(row.subject).filter(|s| !s.is_empty()),
+            state: match row.state {
+                TokenState::Consumed => "consumed",
+                TokenState::Issued => "issued",
+            },
+            issued_at: Some(time(row.issued_at)),
+            consumed_at: row.consumed_at.map(time),
+            fingerprint: row.fingerprint,
+            request_id: row.request_id,
+            result: row.result,
+            duplicate_attempts: row.duplicate_attempts,
+            ..view
+        })
     }
 
     /// One page of audit events, newest first.

@@ -4,6 +4,7 @@
 //! the order states with their state machine ([`order`]). Pure: nothing here
 //! imports the rest of the crate.
 
+pub mod key;
 pub mod order;
 
 use std::fmt;
@@ -127,6 +128,9 @@ pub enum AuditKind {
     TokenConsumed,
     TokenReleased,
     TokenResult,
+    KeyConsumed,
+    KeyResult,
+    KeyReleased,
     OrderCreated,
     OrderPaid,
     OrderRefunded,
@@ -135,11 +139,14 @@ pub enum AuditKind {
 }
 
 impl AuditKind {
-    pub const ALL: [AuditKind; 9] = [
+    pub const ALL: [AuditKind; 12] = [
         AuditKind::TokenIssued,
         AuditKind::TokenConsumed,
         AuditKind::TokenReleased,
         AuditKind::TokenResult,
+        AuditKind::KeyConsumed,
+        AuditKind::KeyResult,
+        AuditKind::KeyReleased,
         AuditKind::OrderCreated,
         AuditKind::OrderPaid,
         AuditKind::OrderRefunded,
@@ -154,6 +161,9 @@ impl AuditKind {
             AuditKind::TokenConsumed => "token.consumed",
             AuditKind::TokenReleased => "token.released",
             AuditKind::TokenResult => "token.result",
+            AuditKind::KeyConsumed => "key.consumed",
+            AuditKind::KeyResult => "key.result",
+            AuditKind::KeyReleased => "key.released",
             AuditKind::OrderCreated => "order.created",
             AuditKind::OrderPaid => "order.paid",
             AuditKind::OrderRefunded => "order.refunded",
@@ -224,11 +234,19 @@ mod tests {
             .expect("audit_kind");
         let body = &sql[start..];
         let body = &body[body.find('(').expect("(") + 1..body.find(");").expect(");")];
-        let labels: Vec<&str> = body
+        let mut labels: Vec<&str> = body
             .split(',')
             .map(|s| s.trim().trim_matches('\''))
             .collect();
-        let ours: Vec<&str> = AuditKind::ALL.iter().map(|k| k.as_str()).collect();
+        // Later migrations add labels with `ALTER TYPE ... ADD VALUE`.
+        let added = include_str!("../migrations/V6__client_keys.sql");
+        labels.extend(added.lines().filter_map(|l| {
+            l.strip_prefix("ALTER TYPE audit_kind ADD VALUE IF NOT EXISTS '")?
+                .strip_suffix("';")
+        }));
+        let mut ours: Vec<&str> = AuditKind::ALL.iter().map(|k| k.as_str()).collect();
+        labels.sort_unstable();
+        ours.sort_unstable();
         assert_eq!(labels, ours);
     }
 

@@ -1,5 +1,5 @@
 //! The durable tier: Postgres. Owns the pools and every SQL statement
-//! ([`tokens`] for the token ledger, [`journal`] for the fast-type journal's
+//! ([`tokens`] for the token ledger, [`keys`] for client keys, [`journal`] for the fast-type journal's
 //! versioned apply, [`lease`] for snowflake worker ids,
 //! [`setup`] for database creation, migrations and start-up checks,
 //! [`admin`] for audit queries and stats, [`reconcile`] for reconciliation,
@@ -10,6 +10,7 @@
 pub mod admin;
 pub mod bloom;
 pub mod journal;
+pub mod keys;
 pub mod lease;
 pub mod orders;
 pub mod reconcile;

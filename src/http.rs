@@ -1,4 +1,4 @@
-//! The HTTP surface of API.md: routes ([`tokens`], [`orders`], [`admin`], [`ops`]),
+//! The HTTP surface of API.md: routes ([`tokens`], [`keys`], [`orders`], [`admin`], [`ops`]),
 //! extractors ([`extract`]), request limits ([`limits`]), the error body
 //! ([`error`]) and the generated OpenAPI description ([`openapi`]). Handlers
 //! receive the services of [`AppState`] (the ledger, orders, the audit
@@ -7,6 +7,7 @@
 pub mod admin;
 pub mod error;
 pub mod extract;
+pub mod keys;
 pub mod limits;
 pub mod openapi;
 pub mod ops;
@@ -78,12 +79,17 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .service(resource("/v1/tokens/{token}/consume").route(web::post().to(tokens::consume)))
         .service(resource("/v1/tokens/{token}/result").route(web::post().to(tokens::result)))
         .service(resource("/v1/tokens/{token}/release").route(web::post().to(tokens::release)))
+        .service(resource("/v1/keys").route(web::get().to(keys::get)))
+        .service(resource("/v1/keys/consume").route(web::post().to(keys::consume)))
+        .service(resource("/v1/keys/result").route(web::post().to(keys::result)))
+        .service(resource("/v1/keys/release").route(web::post().to(keys::release)))
         .service(resource("/v1/orders").route(web::post().to(orders::create)))
         .service(resource("/v1/orders/{order_id}").route(web::get().to(orders::get)))
         .service(resource("/v1/orders/{order_id}/pay").route(web::post().to(orders::pay)))
         .service(resource("/v1/orders/{order_id}/refund").route(web::post().to(orders::refund)))
         .service(resource("/v1/orders/{order_id}/close").route(web::post().to(orders::close)))
         .service(resource("/v1/admin/tokens/{token}").route(web::get().to(admin::token)))
+        .service(resource("/v1/admin/keys").route(web::get().to(admin::key)))
         .service(resource("/v1/admin/audit").route(web::get().to(admin::audit)))
         .service(resource("/v1/admin/stats").route(web::get().to(admin::stats)))
         .service(resource("/v1/admin/reconcile").route(web::post().to(admin::run_reconcile)))

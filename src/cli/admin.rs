@@ -397,7 +397,7 @@ async fn events(audit: &Admin, args: EventsArgs) -> ExitCode {
 fn fail(e: AdminError) -> ExitCode {
     let code = match &e {
         AdminError::TokenInvalid | AdminError::InvalidCursor | AdminError::InvalidRequest(_) => 2,
-        AdminError::TokenNotFound => 1,
+        AdminError::TokenNotFound | AdminError::KeyNotFound => 1,
         AdminError::Postgres(_) => EXIT_UNAVAILABLE,
     };
     match e {

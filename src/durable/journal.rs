@@ -42,6 +42,15 @@ impl EntryKind {
             EntryKind::Release => AuditKind::TokenReleased,
         }
     }
+
+    /// The kind of its audit row for a client key.
+    pub fn key_audit_kind(self) -> AuditKind {
+        match self {
+            EntryKind::Consume => AuditKind::KeyConsumed,
+            EntryKind::Result => AuditKind::KeyResult,
+            EntryKind::Release => AuditKind::KeyReleased,
+        }
+    }
 }
 
 /// A token's state at one generation.
@@ -120,38 +129,45 @@ pub async fn apply(pool: &PgPool, batch: &[Entry]) -> Result<u64, DurableError> 
             SELECT * FROM UNNEST($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[],
                                  $6::timestamptz[], $7::timestamptz[], $8::bigint[], $9::text[],
                                  $10::timestamptz[], $11::text[], $12::text[], $13::text[],
-                                 $14::timestamptz[], $15::text[], $16::timestamptz[])
+                                 $14::timestamptz[], $15::text[], $16::timestamptz[], $17::text[])
                      WITH ORDINALITY
                      AS e(id, token, biz_type, subject, client, issued_at, expires_at, gen, state,
-                          consumed_at, fingerprint, request_id, result, result_at, kind, at, ord)
+                          consumed_at, fingerprint, request_id, result, result_at, kind, at, key, ord)
         ), newest AS (
             SELECT DISTINCT ON (id) * FROM e
              ORDER BY id, gen DESC, (result IS NOT NULL) DESC, ord
         ), up AS (
             INSERT INTO tokens AS t (id, token, biz_type, durability, subject, client, issued_at,
                                      expires_at, state, gen, consumed_at, fingerprint, request_id,
-                                     result, result_at)
-            SELECT id, token, biz_type, 'fast', subject, client, issued_at, expires_at,
+                                     result, result_at, key)
+            SELECT id, token, biz_type, 'fast',
+                   -- A client key's result and release entries do not know
+                   -- its subject (''): its consume entries do.
+                   coalesce((SELECT max(o.subject) FROM e o WHERE o.id = newest.id AND o.subject <> ''),
+                            subject),
+                   client, issued_at, expires_at,
                    state::token_state, gen, consumed_at, fingerprint, request_id, result::jsonb,
-                   result_at
+                   result_at, key
               FROM newest
             ON CONFLICT (id) DO UPDATE
                SET state = EXCLUDED.state, gen = EXCLUDED.gen, consumed_at = EXCLUDED.consumed_at,
+                   subject = CASE WHEN t.subject = '' THEN EXCLUDED.subject ELSE t.subject END,
                    fingerprint = EXCLUDED.fingerprint, request_id = EXCLUDED.request_id,
                    result = EXCLUDED.result, result_at = EXCLUDED.result_at
-             WHERE t.durability = 'fast'
+             WHERE t.durability = 'fast' AND t.key IS NOT DISTINCT FROM EXCLUDED.key
                AND (t.gen < EXCLUDED.gen
                     OR (t.gen = EXCLUDED.gen AND t.result IS NULL AND EXCLUDED.result IS NOT NULL))
             RETURNING t.id
         ), audit AS (
             INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, client, gen, detail)
-            SELECT e.at, e.kind::audit_kind, e.id, e.token, e.subject, e.biz_type, e.client, e.gen,
-                   CASE e.kind
-                       WHEN 'token.consumed' THEN jsonb_strip_nulls(jsonb_build_object(
+            SELECT e.at, e.kind::audit_kind, e.id, CASE WHEN e.key IS NULL THEN e.token END,
+                   nullif(e.subject, ''), e.biz_type, e.client, e.gen,
+                   CASE WHEN e.kind IN ('token.consumed', 'key.consumed') THEN jsonb_strip_nulls(jsonb_build_object(
                            'fingerprint', e.fingerprint, 'request_id', e.request_id, 'via', 'journal'))
-                       WHEN 'token.result' THEN jsonb_build_object('result', e.result::jsonb, 'via', 'journal')
+                       WHEN e.kind IN ('token.result', 'key.result') THEN jsonb_build_object('result', e.result::jsonb, 'via', 'journal')
                        ELSE jsonb_build_object('via', 'journal')
                    END
+                   || CASE WHEN e.key IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('key', e.key) END
               FROM e
              WHERE e.id IN (SELECT id FROM up)
                 OR EXISTS (SELECT 1 FROM tokens t WHERE t.id = e.id AND t.durability = 'fast')
@@ -176,6 +192,7 @@ pub async fn apply(pool: &PgPool, batch: &[Entry]) -> Result<u64, DurableError> 
     .bind(&c.result_ats)
     .bind(&c.kinds)
     .bind(&c.ats)
+    .bind(&c.keys)
     .fetch_one(pool)
     .await?;
     Ok(u64::try_from(moved).unwrap_or(0))
@@ -201,6 +218,8 @@ struct Columns<'a> {
     result_ats: Vec<Option<DateTime<Utc>>>,
     kinds: Vec<&'static str>,
     ats: Vec<DateTime<Utc>>,
+    /// A client key's text; `None` for tokens.
+    keys: Vec<Option<&'a str>>,
 }
 
 impl<'a> Columns<'a> {
@@ -222,6 +241,7 @@ impl<'a> Columns<'a> {
             result_ats: Vec::with_capacity(n),
             kinds: Vec::with_capacity(n),
             ats: Vec::with_capacity(n),
+            keys: Vec::with_capacity(n),
         }
     }
 
@@ -235,7 +255,12 @@ impl<'a> Columns<'a> {
         self.issued.push(r.issued_at);
         self.expires.push(r.expires_at);
         self.gens.push(e.version.gen);
-        self.kinds.push(e.kind.audit_kind().as_str());
+        let kind = match r.key {
+            Some(_) => e.kind.key_audit_kind(),
+            None => e.kind.audit_kind(),
+        };
+        self.kinds.push(kind.as_str());
+        self.keys.push(r.key.as_deref());
         self.ats.push(e.at);
         match &e.version.state {
             Decided::Issued => {

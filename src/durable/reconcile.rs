@@ -278,15 +278,17 @@ pub async fn purge_batch(
             SELECT id FROM tokens WHERE {} LIMIT $2 FOR UPDATE SKIP LOCKED
         ), del AS (
             DELETE FROM tokens t USING victims v WHERE t.id = v.id
-            RETURNING t.id, t.token, t.subject, t.biz_type, t.client, t.state,
+            RETURNING t.id, t.token, t.key, t.subject, t.biz_type, t.client, t.state,
                       t.consumed_at, t.expires_at
         ), audit AS (
             INSERT INTO audit_events (kind, token_id, token, subject, biz_type, client, detail)
-            SELECT 'reconcile.repaired', d.id, d.token, d.subject, d.biz_type, d.client,
+            SELECT 'reconcile.repaired', d.id, CASE WHEN d.key IS NULL THEN d.token END,
+                   nullif(d.subject, ''), d.biz_type, d.client,
                    jsonb_strip_nulls(jsonb_build_object(
                        'class', 'expired_purgeable', 'action', 'purged',
                        'state', d.state::text, 'consumed_at', d.consumed_at,
-                       'expires_at', d.expires_at))
+                       'expires_at', CASE WHEN d.key IS NULL THEN d.expires_at END,
+                       'key', d.key))
               FROM del d
         )
         SELECT count(*) FROM del

@@ -31,6 +31,10 @@ pub struct TokenRecord {
     pub client: String,
     pub issued_at: DateTime<Utc>,
     pub expires_at: DateTime<Utc>,
+    /// A client key's text (`/v1/keys`); `None` for a token. A key's `id`
+    /// and `token` (its handle) are derived from (client, biz type, key),
+    /// see [`crate::domain::key`].
+    pub key: Option<String>,
 }
 
 /// The consumed state of a token as Postgres holds it.
@@ -58,7 +62,7 @@ pub enum ConsumeRow {
     Expired,
 }
 
-fn existing(row: &PgRow) -> Result<Existing, sqlx::Error> {
+pub(super) fn existing(row: &PgRow) -> Result<Existing, sqlx::Error> {
     Ok(Existing {
         state: row.try_get("state")?,
         consumed_at: row.try_get("consumed_at")?,
@@ -222,12 +226,13 @@ pub async fn set_result_versioned(
         WITH upd AS (
             UPDATE tokens SET result = $2, result_at = now()
              WHERE id = $1 AND state = 'consumed' AND result IS NULL
-            RETURNING id, token, subject, biz_type, client, state, consumed_at, fingerprint,
+            RETURNING id, token, key, subject, biz_type, client, state, consumed_at, fingerprint,
                       request_id, result, order_id, expires_at, gen, result_at
         ), audit AS (
             INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, client, gen, detail)
-            SELECT u.result_at, 'token.result', u.id, u.token, u.subject, u.biz_type, u.client, u.gen,
-                   jsonb_build_object('result', $2)
+            SELECT u.result_at, CASE WHEN u.key IS NULL THEN 'token.result' ELSE 'key.result' END::audit_kind,
+                   u.id, CASE WHEN u.key IS NULL THEN u.token END, nullif(u.subject, ''), u.biz_type,
+                   u.client, u.gen, jsonb_build_object('result', $2) || CASE WHEN u.key IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('key', u.key) END
               FROM upd u
             ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
         )
@@ -267,12 +272,18 @@ pub async fn release(pool: &PgPool, id: i64) -> Result<ReleaseRow, DurableError>
         WITH rel AS (
             UPDATE tokens
                SET state = 'issued', gen = gen + 1, consumed_at = NULL, fingerprint = NULL,
-                   request_id = NULL
+                   request_id = NULL,
+                   -- A key dates its release here (see V6).
+                   expires_at = CASE WHEN key IS NULL THEN expires_at ELSE now() END
              WHERE id = $1 AND state = 'consumed' AND result IS NULL AND order_id IS NULL
-            RETURNING id, token, subject, biz_type, client, expires_at, gen
+            RETURNING id, token, key, subject, biz_type, client, expires_at, gen
         ), audit AS (
-            INSERT INTO audit_events (kind, token_id, token, subject, biz_type, client, gen)
-            SELECT 'token.released', r.id, r.token, r.subject, r.biz_type, r.client, r.gen FROM rel r
+            INSERT INTO audit_events (kind, token_id, token, subject, biz_type, client, gen, detail)
+            SELECT CASE WHEN r.key IS NULL THEN 'token.released' ELSE 'key.released' END::audit_kind,
+                   r.id, CASE WHEN r.key IS NULL THEN r.token END, nullif(r.subject, ''), r.biz_type,
+                   r.client, r.gen,
+                   CASE WHEN r.key IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('key', r.key) END
+              FROM rel r
             ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
         )
         SELECT expires_at, gen FROM rel

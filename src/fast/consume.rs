@@ -18,6 +18,26 @@ pub enum ScriptOutcome {
     Miss,
     /// Peek: live and unconsumed.
     Issued,
+    /// A client key bound to another subject (fast mode, see [`KeyArgs`]).
+    Mismatch,
+    /// A client key whose hash records no subject to check the call's
+    /// against: nothing was written (fast mode, see [`KeyArgs`]).
+    Unbound,
+}
+
+/// What a consume of a client key adds to the script's arguments (fast
+/// mode; see `consume.lua`, ARGV[8] to ARGV[10]). Tokens pass none.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct KeyArgs<'a> {
+    /// The subject the call names: a key bound to another answers
+    /// [`ScriptOutcome::Mismatch`].
+    pub subject: Option<&'a str>,
+    /// A missing key is created at this generation and won (its first
+    /// consume); `None`: a missing key is a [`ScriptOutcome::Miss`].
+    pub create_at_gen: Option<i64>,
+    /// The service checked `subject` against Postgres: a key without a
+    /// recorded subject takes it instead of answering `Unbound`.
+    pub subject_checked: bool,
 }
 
 /// The fields of a consumed or provisional marker.
@@ -80,6 +100,41 @@ impl FastTier {
         provisional_ms: i64,
         journal: &[(&'static str, String)],
     ) -> Result<(ScriptOutcome, KeyVersion), FastError> {
+        self.consume_script(
+            token,
+            mode,
+            attempt,
+            provisional_ms,
+            journal,
+            KeyArgs::default(),
+        )
+        .await
+    }
+
+    /// The consume script on a client key's hash (`handle`, see
+    /// [`crate::domain::key`]), with its [`KeyArgs`].
+    pub async fn consume_key(
+        &self,
+        handle: &str,
+        mode: ConsumeMode,
+        attempt: &Attempt<'_>,
+        provisional_ms: i64,
+        journal: &[(&'static str, String)],
+        key: KeyArgs<'_>,
+    ) -> Result<(ScriptOutcome, KeyVersion), FastError> {
+        self.consume_script(handle, mode, attempt, provisional_ms, journal, key)
+            .await
+    }
+
+    async fn consume_script(
+        &self,
+        token: &str,
+        mode: ConsumeMode,
+        attempt: &Attempt<'_>,
+        provisional_ms: i64,
+        journal: &[(&'static str, String)],
+        key_args: KeyArgs<'_>,
+    ) -> Result<(ScriptOutcome, KeyVersion), FastError> {
         let key = self.token_key(token);
         let journal_key = self.journal_key();
         let script = &self.scripts.consume;
@@ -100,6 +155,11 @@ impl FastTier {
             attempt.owner
         };
         let (key, journal_key) = (&key, &journal_key);
+        let create_at = key_args
+            .create_at_gen
+            .map(|g| g.to_string())
+            .unwrap_or_default();
+        let create_at = create_at.as_str();
         let reply: Vec<String> = self
             .call_idempotent("consume", |mut c| async move {
                 let mut inv = script.key(key);
@@ -112,7 +172,10 @@ impl FastTier {
                     .arg(attempt.request_id.unwrap_or(""))
                     .arg(attempt.fingerprint.unwrap_or(""))
                     .arg(consumed_ttl)
-                    .arg(if append { "1" } else { "0" });
+                    .arg(if append { "1" } else { "0" })
+                    .arg(key_args.subject.unwrap_or(""))
+                    .arg(create_at)
+                    .arg(if key_args.subject_checked { "1" } else { "0" });
                 if append {
                     for (k, v) in journal {
                         inv.arg(*k).arg(v.as_str());
@@ -189,6 +252,8 @@ fn parse_consume_reply(
         "provisional" => ScriptOutcome::Provisional(marker()),
         "miss" => ScriptOutcome::Miss,
         "issued" => ScriptOutcome::Issued,
+        "mismatch" => ScriptOutcome::Mismatch,
+        "unbound" => ScriptOutcome::Unbound,
         other => return Err(FastError::Protocol(format!("consume answered {other:?}"))),
     };
     Ok((outcome, version))

@@ -30,7 +30,7 @@ mod journal;
 mod scan;
 mod write;
 
-pub use consume::{Attempt, ConsumeMode, KeyVersion, Marker, ScriptOutcome};
+pub use consume::{Attempt, ConsumeMode, KeyArgs, KeyVersion, Marker, ScriptOutcome};
 pub use journal::{JournalEntry, ReadFrom, GROUP};
 pub use scan::{KeyRead, KeyState, ScanNode};
 pub use write::FastWrite;

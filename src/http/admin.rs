@@ -1,4 +1,4 @@
-//! Admin routes: one token's story, audit event pages, fleet stats (role
+//! Admin routes: one token's or client key's story, audit event pages, fleet stats (role
 //! admin) and reconciliation (role admin or reconciler). The role is checked
 //! right after authentication, before the request is read: any other role
 //! gets 403 `forbidden` on every admin route.
@@ -26,6 +26,9 @@ impl From<AdminError> for ApiError {
             AdminError::TokenInvalid => ApiError::token_invalid(),
             AdminError::TokenNotFound => {
                 ApiError::new(StatusCode::NOT_FOUND, "token_not_found", message)
+            }
+            AdminError::KeyNotFound => {
+                ApiError::new(StatusCode::NOT_FOUND, "key_not_found", message)
             }
             AdminError::InvalidCursor => {
                 ApiError::new(StatusCode::BAD_REQUEST, "invalid_cursor", message)
@@ -108,6 +111,48 @@ pub async fn token(
 ) -> Result<HttpResponse, ApiError> {
     let text = path_token(&token)?;
     let view = state.admin.token(text).await?;
+    Ok(HttpResponse::Ok().json(view))
+}
+
+/// Query of `GET /v1/admin/keys`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct KeyParams {
+    /// The client the key belongs to (its `[[clients]]` name).
+    pub client: Option<String>,
+    pub biz_type: Option<String>,
+    /// The key (URL-encoded).
+    pub key: Option<String>,
+}
+
+/// What happened to one client key: its record and its audit events.
+#[utoipa::path(get, path = "/v1/admin/keys", tag = "admin", params(KeyParams),
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "The key", body = admin::KeyView),
+        (status = 400, description = "invalid_request", body = super::ErrorBody),
+        (status = 401, description = "unauthorized", body = super::ErrorBody),
+        (status = 403, description = "forbidden: not an admin", body = super::ErrorBody),
+        (status = 404, description = "key_not_found: no record nor audit event of this key", body = super::ErrorBody),
+    ))]
+pub async fn key(
+    state: web::Data<AppState>,
+    AdminCaller(_): AdminCaller,
+    query: Result<web::Query<KeyParams>, actix_web::Error>,
+) -> Result<HttpResponse, ApiError> {
+    let query = query.map_err(|_| {
+        ApiError::invalid("query must be ?client=...&biz_type=...&key=... and nothing else")
+    })?;
+    let required = |name: &str, v: &Option<String>| {
+        present(v).ok_or_else(|| ApiError::invalid(format!("`{name}` is required")))
+    };
+    let client = required("client", &query.client)?;
+    let biz = crate::domain::BizType::parse(&required("biz_type", &query.biz_type)?)
+        .map_err(|e| ApiError::invalid(e.to_string()))?;
+    let key = crate::domain::key::ClientKey::parse(&required("key", &query.key)?)
+        .map_err(|e| ApiError::invalid(e.to_string()))?;
+    let view = state.admin.key(&client, &biz, &key).await?;
     Ok(HttpResponse::Ok().json(view))
 }
 

@@ -5,7 +5,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{ObjectBuilder, RefOr, ResponseBuilder, Type};
 use utoipa::{Modify, OpenApi};
 
-use super::{admin, ops, orders, tokens, ErrorBody};
+use super::{admin, keys, ops, orders, tokens, ErrorBody};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -15,17 +15,20 @@ use super::{admin, ops, orders, tokens, ErrorBody};
     ),
     paths(
         tokens::issue, tokens::generate, tokens::consume, tokens::result, tokens::release,
+        keys::consume, keys::result, keys::release, keys::get,
         orders::create, orders::get, orders::pay, orders::refund, orders::close,
         ops::healthz, ops::readyz, ops::metrics, ops::openapi,
-        admin::token, admin::audit, admin::stats, admin::run_reconcile,
+        admin::token, admin::key, admin::audit, admin::stats, admin::run_reconcile,
     ),
     components(schemas(
         ErrorBody, tokens::IssueRequest, tokens::IssueResponse, tokens::GenerateResponse,
         tokens::ConsumeRequest, tokens::ConsumeResponse, tokens::ResultRequest, tokens::ReleaseRequest,
         tokens::OutcomeResponse, ops::Readiness,
+        keys::KeyConsumeRequest, keys::KeyConsumeResponse, keys::KeyResultRequest,
+        keys::KeyReleaseRequest, keys::KeyStateResponse,
         orders::CreateOrderRequest, orders::OrderBody, orders::OrderEventBody, orders::PayRequest,
         orders::RefundRequest, orders::CloseRequest, orders::EventResponse,
-        crate::admin::TokenView, crate::admin::AuditEvent, crate::admin::AuditPage,
+        crate::admin::TokenView, crate::admin::KeyView, crate::admin::AuditEvent, crate::admin::AuditPage,
         crate::admin::Stats, crate::admin::BizStats, admin::ReconcileRequest,
         crate::reconcile::Report, crate::reconcile::Classes, crate::reconcile::Scanned,
         crate::reconcile::InconsistentOrder,
@@ -33,6 +36,7 @@ use super::{admin, ops, orders, tokens, ErrorBody};
     modifiers(&BearerAuth, &Common),
     tags(
         (name = "tokens", description = "Issue and consume one-time tokens"),
+        (name = "keys", description = "Client-supplied keys (the Idempotency-Key model): the same ledger for a key the caller already holds; a key belongs to (client, biz type)"),
         (name = "orders", description = "The payment state machine: CREATED -> PAID -> PARTIALLY_REFUNDED -> REFUNDED, CREATED -> CLOSED"),
         (name = "operations", description = "Health, readiness, metrics"),
         (name = "admin", description = "Audit, stats and reconciliation (role admin; reconcile: admin or reconciler)"),
@@ -79,6 +83,7 @@ pub const ERROR_CODES: &[&str] = &[
     "durable_token_required",
     "token_already_used",
     "token_not_found",
+    "key_not_found",
     "invalid_cursor",
     "reconcile_running",
     "unavailable",
@@ -89,6 +94,8 @@ pub const ERROR_CODES: &[&str] = &[
 const REPLAYING: &[&str] = &[
     "/v1/tokens/{token}/consume",
     "/v1/tokens/{token}/result",
+    "/v1/keys/consume",
+    "/v1/keys/result",
     "/v1/orders",
     "/v1/orders/{order_id}/pay",
     "/v1/orders/{order_id}/refund",

@@ -32,6 +32,17 @@ pub const GEN: &str = "g";
 pub const CONSUMED_AT: &str = "cat";
 pub const REQUEST_ID: &str = "rid";
 pub const FINGERPRINT: &str = "fp";
+/// A client key's text (`/v1/keys`), in entries of keys only.
+pub const KEY: &str = "k";
+
+/// The fields of an entry: the ledger's part, and a client key's text.
+fn fields_of(rec: &TokenRecord, packed: String) -> Vec<(&'static str, String)> {
+    let mut fields = vec![(ENTRY, packed)];
+    if let Some(key) = &rec.key {
+        fields.push((KEY, key.clone()));
+    }
+    fields
+}
 
 /// The journal fields of a fast-type consume.
 pub fn consume_fields(
@@ -51,7 +62,7 @@ pub fn consume_fields(
         request_id.unwrap_or(""),
         fingerprint.unwrap_or(""),
     );
-    vec![(ENTRY, pack(&entry))]
+    fields_of(rec, pack(&entry))
 }
 
 /// The journal fields of a fast-type result, in the layout without a token
@@ -81,7 +92,7 @@ pub fn result_fields_for(rec: &TokenRecord, result: &str) -> Vec<(&'static str, 
         rec.issued_at.timestamp_millis(),
         rec.expires_at.timestamp_millis(),
     );
-    vec![(ENTRY, pack(&entry))]
+    fields_of(rec, pack(&entry))
 }
 
 /// The journal fields of a fast-type release, with the token record.
@@ -96,7 +107,7 @@ pub fn release_fields_for(rec: &TokenRecord) -> Vec<(&'static str, String)> {
         rec.issued_at.timestamp_millis(),
         rec.expires_at.timestamp_millis(),
     );
-    vec![(ENTRY, pack(&entry))]
+    fields_of(rec, pack(&entry))
 }
 
 fn pack(entry: &impl serde::Serialize) -> String {
@@ -169,9 +180,19 @@ fn opt(s: String) -> Option<String> {
 }
 
 pub(super) fn parse(e: &JournalEntry) -> Entry {
-    match e.get(ENTRY) {
+    let entry = match e.get(ENTRY) {
         Some(packed) => parse_packed(e, packed),
         None => parse_fields(e),
+    };
+    match (entry, e.get(KEY)) {
+        (entry, None) => entry,
+        (Entry::Versioned(mut v), Some(key)) => {
+            v.record.key = Some(key.to_owned());
+            Entry::Versioned(v)
+        }
+        (Entry::Bad(why), Some(_)) => Entry::Bad(why),
+        // Keys are journaled with generations only.
+        (_, Some(_)) => Entry::Bad("a client key's entry without a generation"),
     }
 }
 
@@ -209,6 +230,7 @@ fn record(
         client,
         issued_at: time(iat)?,
         expires_at: time(exp)?,
+        key: None,
     })
 }
 
@@ -333,6 +355,7 @@ fn parse_fields(e: &JournalEntry) -> Entry {
                     client: field(e, "cl"),
                     issued_at: iat,
                     expires_at: exp,
+                    key: None,
                 },
                 consumed_at: at,
                 fingerprint: opt(field(e, "fp")),
@@ -382,6 +405,7 @@ mod tests {
             client,
             issued_at: Utc.timestamp_millis_opt(1_790_000_000_123).unwrap(),
             expires_at: Utc.timestamp_millis_opt(1_790_000_060_000).unwrap(),
+            key: None,
         }
     }
 

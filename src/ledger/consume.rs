@@ -40,7 +40,7 @@ impl Prior {
                 .and_then(|r| serde_json::from_str(r).ok()),
         }
     }
-    fn from_row(e: &Existing) -> Prior {
+    pub(super) fn from_row(e: &Existing) -> Prior {
         Prior {
             consumed_at: e.consumed_at,
             fingerprint: e.fingerprint.clone(),
@@ -128,14 +128,14 @@ impl Ledger {
     /// and a fingerprint mismatch are confirmed by Postgres, and so is
     /// `processing` from an older marker, so that a result whose write to
     /// Redis failed is still answered.
-    fn durable_marker_answer(
+    pub(super) fn durable_marker_answer<I: Attempted>(
         &self,
         m: &Marker,
         version: KeyVersion,
-        input: &ConsumeInput,
+        input: &I,
     ) -> MarkerAnswer {
         let prior = Prior::from_marker(m);
-        let mismatch = matches!((&prior.fingerprint, &input.fingerprint), (Some(a), Some(b)) if a != b.as_str());
+        let mismatch = matches!((&prior.fingerprint, input.fingerprint()), (Some(a), Some(b)) if a != b.as_str());
         if same_request(&prior, input) || mismatch {
             return MarkerAnswer::AskPostgres;
         }
@@ -201,7 +201,15 @@ impl Ledger {
                 }
             }
             Ok((ScriptOutcome::Claimed, _)) => claimed = true,
-            Ok((ScriptOutcome::Won { .. } | ScriptOutcome::Miss | ScriptOutcome::Issued, _)) => {}
+            // Mismatch and Unbound are client keys' answers, never a token's.
+            Ok((
+                ScriptOutcome::Won { .. }
+                | ScriptOutcome::Miss
+                | ScriptOutcome::Issued
+                | ScriptOutcome::Mismatch
+                | ScriptOutcome::Unbound,
+                _,
+            )) => {}
             Err(FastError::Down) => {}
             // The script may have run and left a provisional marker: it
             // expires. Postgres decides either way.
@@ -212,7 +220,7 @@ impl Ledger {
             Ok(r) => r,
             Err(e) => {
                 if claimed {
-                    self.spawn_unclaim(token, owner.clone());
+                    self.spawn_unclaim(&token.text, self.remaining_ms(token), owner.clone());
                 }
                 // Postgres unreachable: a plain duplicate is still answered
                 // from Redis's marker (fail closed: nothing is consumed).
@@ -222,7 +230,14 @@ impl Ledger {
                 return Err(LedgerError::postgres(e));
             }
         };
-        self.settle_row(token, &row, gen, claimed.then_some(owner.clone()), &attempt);
+        self.settle_row(
+            &token.text,
+            self.remaining_ms(token),
+            &row,
+            gen,
+            claimed.then_some(owner.clone()),
+            &attempt,
+        );
         answer_from_row(&row, input, self.clock.now())
     }
 
@@ -270,7 +285,14 @@ impl Ledger {
                 }
             }
             // Issued but past our expiry: Postgres says whether it was consumed.
-            Ok(ScriptOutcome::Issued | ScriptOutcome::Claimed | ScriptOutcome::Miss) => {}
+            // Mismatch and Unbound are client keys' answers, never a token's.
+            Ok(
+                ScriptOutcome::Issued
+                | ScriptOutcome::Claimed
+                | ScriptOutcome::Miss
+                | ScriptOutcome::Mismatch
+                | ScriptOutcome::Unbound,
+            ) => {}
             // Nothing reached Redis (breaker open, connection refused).
             Err(FastError::Down) => {
                 return self
@@ -299,7 +321,7 @@ impl Ledger {
             .consume_in_postgres(record, &attempt)
             .await
             .map_err(LedgerError::postgres)?;
-        self.settle_row(token, &row, gen, None, &attempt);
+        self.settle_row(&token.text, 0, &row, gen, None, &attempt);
         answer_from_row(&row, input, self.clock.now())
     }
 
@@ -368,11 +390,13 @@ impl Ledger {
     }
 
     /// Tells Redis what Postgres decided (the row, at generation `gen`), off
-    /// the answer's path. `owner`: our provisional marker, if we set one,
-    /// given back when Postgres did not consume the token.
+    /// the answer's path, for the Redis key of `handle` (a token's text, or a
+    /// client key's handle). `owner`: our provisional marker, if we set one,
+    /// given back (living `remaining_ms`) when Postgres did not consume it.
     pub(super) fn settle_row(
         &self,
-        token: &VerifiedToken,
+        handle: &str,
+        remaining_ms: i64,
         row: &ConsumeRow,
         gen: i64,
         owner: Option<String>,
@@ -380,17 +404,23 @@ impl Ledger {
     ) {
         let Some(marker) = self.marker_of(row, attempt) else {
             if let Some(owner) = owner {
-                self.spawn_unclaim(token, owner);
+                self.spawn_unclaim(handle, remaining_ms, owner);
             }
             return;
         };
-        self.settle_consumed_in_background(&token.text, gen, marker);
+        self.settle_consumed_in_background(handle, gen, marker);
     }
 
-    pub(super) fn spawn_unclaim(&self, token: &VerifiedToken, owner: String) {
+    /// A token's time to live by its embedded expiry, by our clock.
+    pub(super) fn remaining_ms(&self, token: &VerifiedToken) -> i64 {
+        token.claims.expires_at_ms() - self.clock.now_ms()
+    }
+
+    /// Gives our provisional marker on `handle`'s key back, to live
+    /// `remaining` ms (<= 0: deleted), off the answer's path.
+    pub(super) fn spawn_unclaim(&self, handle: &str, remaining: i64, owner: String) {
         let fast = self.fast.clone();
-        let text = token.text.clone();
-        let remaining = token.claims.expires_at_ms() - self.clock.now_ms();
+        let text = handle.to_owned();
         tokio::spawn(async move {
             // If this fails the marker's deadline frees the token anyway.
             let _ = fast.unclaim(&text, &owner, remaining).await;
@@ -399,7 +429,7 @@ impl Ledger {
 }
 
 /// What a durable consumed marker answers (see `durable_marker_answer`).
-enum MarkerAnswer {
+pub(super) enum MarkerAnswer {
     /// This, without Postgres.
     Answer(ConsumeAnswer),
     /// Postgres decides; this, if Postgres cannot be reached.
@@ -408,16 +438,32 @@ enum MarkerAnswer {
     AskPostgres,
 }
 
-fn same_request(prior: &Prior, input: &ConsumeInput) -> bool {
-    matches!((&prior.request_id, &input.request_id), (Some(a), Some(b)) if a == b.as_str())
+/// What the answer to a consume attempt depends on besides the prior:
+/// its fingerprint and request id (a token's consume and a key's alike).
+pub(super) trait Attempted {
+    fn fingerprint(&self) -> Option<&Fingerprint>;
+    fn request_id(&self) -> Option<&RequestId>;
+}
+
+impl Attempted for ConsumeInput {
+    fn fingerprint(&self) -> Option<&Fingerprint> {
+        self.fingerprint.as_ref()
+    }
+    fn request_id(&self) -> Option<&RequestId> {
+        self.request_id.as_ref()
+    }
+}
+
+fn same_request<I: Attempted>(prior: &Prior, input: &I) -> bool {
+    matches!((&prior.request_id, input.request_id()), (Some(a), Some(b)) if a == b.as_str())
 }
 
 /// Decides the answer to an attempt that found an earlier consume.
 /// `None`: it cannot be decided from this prior (the same request in flight).
 /// `now` stands in for a consume time the prior lacks.
-pub(super) fn classify(
+pub(super) fn classify<I: Attempted>(
     prior: &Prior,
-    input: &ConsumeInput,
+    input: &I,
     in_flight: bool,
     now: DateTime<Utc>,
 ) -> Result<Option<ConsumeAnswer>, LedgerError> {
@@ -426,10 +472,10 @@ pub(super) fn classify(
     // consumed in Postgres). Only a plain duplicate, with no request id or
     // fingerprint to compare, is answered from it; anything that needs the
     // winner's identity goes to Postgres.
-    if in_flight && (input.request_id.is_some() || input.fingerprint.is_some()) {
+    if in_flight && (input.request_id().is_some() || input.fingerprint().is_some()) {
         return Ok(None);
     }
-    if let (Some(a), Some(b)) = (&prior.fingerprint, &input.fingerprint) {
+    if let (Some(a), Some(b)) = (&prior.fingerprint, input.fingerprint()) {
         if a != b.as_str() {
             return Err(LedgerError::FingerprintMismatch);
         }
@@ -456,9 +502,9 @@ pub(super) fn classify(
     }))
 }
 
-pub(super) fn answer_from_row(
+pub(super) fn answer_from_row<I: Attempted>(
     row: &ConsumeRow,
-    input: &ConsumeInput,
+    input: &I,
     now: DateTime<Utc>,
 ) -> Result<ConsumeAnswer, LedgerError> {
     match row {

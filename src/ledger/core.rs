@@ -241,6 +241,7 @@ impl Ledger {
             client: caller.name.clone(),
             issued_at: ms_to_time(c.issued_at_ms()).unwrap_or_else(|| self.clock.now()),
             expires_at: ms_to_time(c.expires_at_ms()).unwrap_or_else(|| self.clock.now()),
+            key: None,
         }
     }
 

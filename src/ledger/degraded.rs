@@ -126,7 +126,7 @@ impl Ledger {
                 if let Some(m) = self.marker_of(&row, attempt) {
                     self.fallback.consumed.insert(record.id, m);
                 }
-                self.settle_row(token, &row, gen, None, attempt);
+                self.settle_row(&token.text, 0, &row, gen, None, attempt);
                 answer_from_row(&row, input, self.clock.now())
             }
             Err(e) if e.is_unavailable() => {
@@ -279,7 +279,9 @@ impl Ledger {
             | ScriptOutcome::Consumed(_)
             | ScriptOutcome::Provisional(_)
             | ScriptOutcome::Claimed
-            | ScriptOutcome::Issued => Ok(()),
+            | ScriptOutcome::Issued
+            | ScriptOutcome::Mismatch
+            | ScriptOutcome::Unbound => Ok(()),
         }
     }
 

@@ -132,6 +132,7 @@ impl Ledger {
             client: caller.name.clone(),
             issued_at: ms_to_time(id.timestamp_ms()).unwrap_or_else(|| self.clock.now()),
             expires_at,
+            key: None,
         };
         // The issuance record (batched to Postgres) first: it is the audit
         // row `token.issued` and what tells the fleet's bloom filters the

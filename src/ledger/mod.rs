@@ -36,18 +36,23 @@
 //!   Redis writes replayed when it is back;
 //! - `orders`: the token of an order event, consumed in the order's
 //!   transaction;
-//! - `result`: result and release.
+//! - `result`: result and release (of a token or a client key);
+//! - `keys`: client-supplied keys (`/v1/keys`): the same protocol for a key
+//!   that belongs to (client, biz type) instead of a signed token.
 
 pub mod api;
 mod consume;
 mod core;
 mod degraded;
 mod issue;
+mod keys;
 mod orders;
 mod result;
 
+pub use crate::durable::keys::KeyState;
 pub use api::{
     ConsumeAnswer, ConsumeInput, ConsumeOutcome, DuplicateStatus, Issued, LedgerError, ResultAnswer,
 };
 pub use core::Ledger;
+pub use keys::KeyInput;
 pub use orders::OrderToken;

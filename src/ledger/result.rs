@@ -1,4 +1,4 @@
-//! Result and release of a consumed token: Redis decides for fast types
+//! Result and release of a consumed token or client key: Redis decides for fast types
 //! (the journal carries it to Postgres), Postgres for durable ones.
 //!
 //! Read your writes: a result recorded in Postgres is written to Redis
@@ -20,10 +20,21 @@ use crate::auth::Client;
 use crate::config::Durability;
 use crate::domain::Subject;
 use crate::durable::timed;
-use crate::durable::tokens::{self, Existing, ReleaseRow, ResultDecided, TokenState};
+use crate::durable::tokens::{self, Existing, ReleaseRow, ResultDecided, TokenRecord, TokenState};
 use crate::fast::{FastError, FastWrite, Marker};
 use crate::journal;
-use crate::token::VerifiedToken;
+
+/// What a result or release acts on: a token, or a client key.
+pub(super) struct Held {
+    /// The hash tag of its Redis key: the token text, or the key's handle.
+    pub(super) handle: String,
+    /// Its row (the id, and what a journal entry carries).
+    pub(super) record: TokenRecord,
+    pub(super) durability: Durability,
+    /// Until when its issued state lives in Redis after a release, ms since
+    /// the epoch: a token's expiry; for a key, `redis.consumed_ttl` from now.
+    pub(super) issued_until_ms: i64,
+}
 
 /// The consumed marker of a Postgres row (its result included).
 fn marker_of_row(e: &Existing) -> Marker {
@@ -47,14 +58,30 @@ impl Ledger {
         result: &Json,
     ) -> Result<ResultAnswer, LedgerError> {
         let (token, settings) = self.authorize(caller, text, subject, None)?;
-        let id = token.claims.id.as_i64();
+        let held = Held {
+            handle: token.text.clone(),
+            record: self.record_for(&token, settings.durability, caller, subject),
+            durability: settings.durability,
+            issued_until_ms: token.claims.expires_at_ms(),
+        };
+        self.record_result_of(&held, result).await
+    }
+
+    /// Records the result of a token or key (see [`Held`]): Redis decides
+    /// for fast types, Postgres for durable ones (and for fast ones Redis
+    /// does not know).
+    pub(super) async fn record_result_of(
+        &self,
+        held: &Held,
+        result: &Json,
+    ) -> Result<ResultAnswer, LedgerError> {
+        let id = held.record.id;
         let encoded = result.to_string();
-        if settings.durability == Durability::Fast {
-            let record = self.record_for(&token, settings.durability, caller, subject);
-            let fields = journal::result_fields_for(&record, &encoded);
+        if held.durability == Durability::Fast {
+            let fields = journal::result_fields_for(&held.record, &encoded);
             match self
                 .fast
-                .fast_write(&token.text, "result", encoded.clone(), &fields)
+                .fast_write(&held.handle, "result", encoded.clone(), &fields)
                 .await
             {
                 Ok(FastWrite::Recorded) => return Ok(ResultAnswer::Recorded),
@@ -81,14 +108,14 @@ impl Ledger {
         .map_err(LedgerError::postgres)?;
         match row {
             ResultDecided::Recorded(e) => {
-                self.result_to_redis(&token, &e).await;
+                self.result_to_redis(&held.handle, &e).await;
                 Ok(ResultAnswer::Recorded)
             }
             ResultDecided::Existing(e) if e.state == TokenState::Consumed => match &e.result {
                 Some(stored) if stored == result => {
                     // Heals a marker whose earlier write failed, off the path.
                     let fast = self.fast.clone();
-                    let (text, gen, marker) = (token.text.clone(), e.gen, marker_of_row(&e));
+                    let (text, gen, marker) = (held.handle.clone(), e.gen, marker_of_row(&e));
                     tokio::spawn(async move {
                         let _ = fast.write_consumed(&text, gen, &marker).await;
                     });
@@ -104,14 +131,14 @@ impl Ledger {
     /// Writes a result Postgres recorded to Redis before the answer (see the
     /// module docs); when that fails, queues it and waits out the trust in a
     /// marker without a result.
-    async fn result_to_redis(&self, token: &VerifiedToken, e: &Existing) {
+    async fn result_to_redis(&self, handle: &str, e: &Existing) {
         let marker = marker_of_row(e);
-        match self.fast.write_consumed(&token.text, e.gen, &marker).await {
+        match self.fast.write_consumed(handle, e.gen, &marker).await {
             Ok(_) => {}
             Err(err) => {
                 tracing::debug!(error = %err, "result not written to redis; queued, waiting out the marker's trust");
                 self.resync.push(Resync::Consumed {
-                    token: token.text.clone(),
+                    token: handle.to_owned(),
                     gen: e.gen,
                     marker: marker.clone(),
                 });
@@ -136,15 +163,25 @@ impl Ledger {
         subject: &Subject,
     ) -> Result<(), LedgerError> {
         let (token, settings) = self.authorize(caller, text, subject, None)?;
-        let id = token.claims.id.as_i64();
-        let expires_at_ms = token.claims.expires_at_ms();
+        let held = Held {
+            handle: token.text.clone(),
+            record: self.record_for(&token, settings.durability, caller, subject),
+            durability: settings.durability,
+            issued_until_ms: token.claims.expires_at_ms(),
+        };
+        self.release_of(&held).await
+    }
+
+    /// Releases a token or key (see [`Held`]).
+    pub(super) async fn release_of(&self, held: &Held) -> Result<(), LedgerError> {
+        let id = held.record.id;
+        let expires_at_ms = held.issued_until_ms;
         let remaining = expires_at_ms - self.clock.now_ms();
-        if settings.durability == Durability::Fast {
-            let record = self.record_for(&token, settings.durability, caller, subject);
-            let fields = journal::release_fields_for(&record);
+        if held.durability == Durability::Fast {
+            let fields = journal::release_fields_for(&held.record);
             match self
                 .fast
-                .fast_write(&token.text, "release", remaining.to_string(), &fields)
+                .fast_write(&held.handle, "release", remaining.to_string(), &fields)
                 .await
             {
                 // The journal entry carries the release (and its audit row) to Postgres.
@@ -166,7 +203,7 @@ impl Ledger {
             // next, Postgres answers for this token. While Redis is down
             // there is nothing to drop now: the issued state is written
             // when it is back (below).
-            match self.fast.forget(&token.text).await {
+            match self.fast.forget(&held.handle).await {
                 Ok(()) | Err(FastError::Down) => {}
                 Err(e) => {
                     return Err(LedgerError::Unavailable {
@@ -191,7 +228,7 @@ impl Ledger {
                 // undid (an older generation) is refused.
                 let fast = self.fast.clone();
                 let resync = self.resync.clone();
-                let text = token.text.clone();
+                let text = held.handle.clone();
                 tokio::spawn(async move {
                     if fast.write_issued(&text, gen, remaining).await.is_err() {
                         resync.push(Resync::Issued {

@@ -11,15 +11,24 @@
 -- ARGV[5]  fingerprint ('' when absent)
 -- ARGV[6]  consumed marker lifetime, ms (never beyond tokens.retention)
 -- ARGV[7]  '1' to append to the journal stream (fast mode), else '0'
--- ARGV[8..] journal entry fields (field, value pairs), fast mode only
+-- ARGV[8]  client keys, fast mode: the subject the call names ('' none, and
+--          always '' for tokens, whose binding is signed)
+-- ARGV[9]  client keys, fast mode: '' (tokens: a missing key is a miss) or
+--          the generation a missing key is created at (a key's first
+--          consume: Postgres's generation for it, 0 when it has no row)
+-- ARGV[10] client keys, fast mode: '1' when the service checked ARGV[8]
+--          against Postgres, so a key without a recorded subject takes it
+-- ARGV[11..] journal entry fields (field, value pairs), fast mode only
 --
 -- Hash fields: s state (i issued, p provisional, c consumed), g generation
 -- (bumped by every consume and release: odd while consumed; a key written
 -- before generations has none, and its state tells it: c 1, otherwise 0),
 -- o owner (the attempt holding a provisional marker, or the one that won a
 -- fast consume), d provisional deadline (ms), at consumed/claimed at (ms),
--- rid, fp, res. A claim does not change the generation: it is not a state
--- change.
+-- rid, fp, res, sub (a client key's subject, '' for none: kept across
+-- every later state; a key's hash that lacks it, written back from
+-- Postgres, is `unbound` until the service checks the subject). A claim
+-- does not change the generation: it is not a state change.
 --
 -- Idempotent per attempt owner: sent again by the same attempt (the service
 -- resends a consume whose connection dropped before its reply, see
@@ -37,11 +46,14 @@
 --   provisional another attempt holds a live provisional marker
 --   miss        no key (Redis lost it, it expired, or it was never seeded)
 --   issued      peek mode: live and unconsumed
+--   mismatch    client keys, fast mode: bound to another subject than ARGV[8]
+--   unbound     client keys, fast mode: ARGV[8] given, and the hash has no
+--               recorded subject to compare it with (nothing written)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local key = KEYS[1]
 local mode = ARGV[1]
-local h = redis.call('HMGET', key, 's', 'd', 'at', 'rid', 'fp', 'res', 'g', 'o')
+local h = redis.call('HMGET', key, 's', 'd', 'at', 'rid', 'fp', 'res', 'g', 'o', 'sub')
 local s = h[1]
 local ours = ARGV[2] ~= '' and h[8] == ARGV[2]
 local g = tonumber(h[7])
@@ -52,6 +64,22 @@ if not g then
 end
 local function reply(kind, at, rid, fp, res)
   return {kind, at or '', rid or '', fp or '', res or '', tostring(g), tostring(now)}
+end
+
+local subject = ARGV[8] or ''
+if mode == 'fast' and not s and ARGV[9] and ARGV[9] ~= '' then
+  -- A client key's first consume: created issued at ARGV[9], then won below.
+  s = 'i'
+  g = tonumber(ARGV[9])
+  h[9] = subject
+end
+if mode == 'fast' and subject ~= '' and s and not ours then
+  if not h[9] then
+    if ARGV[10] ~= '1' then return reply('unbound') end
+    h[9] = subject
+    redis.call('HSET', key, 'sub', subject)
+  end
+  if h[9] ~= subject then return reply('mismatch') end
 end
 
 if s == 'c' then
@@ -72,10 +100,11 @@ if mode == 'fast' then
   g = g + 1
   if g % 2 == 0 then g = g + 1 end
   redis.call('HSET', key, 's', 'c', 'g', g, 'at', now, 'rid', ARGV[4], 'fp', ARGV[5], 'o', ARGV[2])
+  if h[9] then redis.call('HSET', key, 'sub', h[9]) end
   if s == 'p' then redis.call('HDEL', key, 'd') end
   redis.call('PEXPIRE', key, ARGV[6])
   if ARGV[7] == '1' then
-    redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, unpack(ARGV, 8))
+    redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, unpack(ARGV, 11))
   end
   return reply('won', tostring(now))
 end

@@ -18,7 +18,7 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local key = KEYS[1]
-local h = redis.call('HMGET', key, 's', 'res', 'ord', 'g', 'at', 'rid', 'fp')
+local h = redis.call('HMGET', key, 's', 'res', 'ord', 'g', 'at', 'rid', 'fp', 'sub')
 local s = h[1]
 if not s then return {'miss', ''} end
 local g = tonumber(h[4])
@@ -50,6 +50,8 @@ local ttl = tonumber(ARGV[2])
 redis.call('DEL', key)
 if ttl > 0 then
   redis.call('HSET', key, 's', 'i', 'g', g)
+  -- A client key stays bound to its subject.
+  if h[8] then redis.call('HSET', key, 'sub', h[8]) end
   redis.call('PEXPIRE', key, ttl)
 end
 if ARGV[3] == '1' then

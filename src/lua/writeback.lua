@@ -20,12 +20,17 @@
 -- generation follows from its state (consumed 1, otherwise 0); a missing key
 -- is older than any generation.
 --
+-- A client key's subject (field sub) is kept across every rewrite.
+--
 -- Returns 1 when written, 0 when the key holds the same or a newer state.
 local key = KEYS[1]
 local op = ARGV[1]
 local want = tonumber(ARGV[2])
 local ttl = tonumber(ARGV[3])
-local h = redis.call('HMGET', key, 's', 'g', 'res', 'o')
+local h = redis.call('HMGET', key, 's', 'g', 'res', 'o', 'sub')
+local function keep_subject()
+  if h[5] then redis.call('HSET', key, 'sub', h[5]) end
+end
 local s = h[1]
 local g = tonumber(h[2])
 -- A generation that contradicts the state (odd means consumed) is not trusted.
@@ -39,6 +44,7 @@ if op == 'unclaim' then
   redis.call('DEL', key)
   if ttl > 0 then
     redis.call('HSET', key, 's', 'i', 'g', g)
+    keep_subject()
     redis.call('PEXPIRE', key, ttl)
   end
   return 1
@@ -60,6 +66,7 @@ if op == 'consumed' then
   if left <= 0 then return 1 end
   redis.call('HSET', key, 's', 'c', 'g', want, 'at', ARGV[4], 'rid', ARGV[5], 'fp', ARGV[6])
   if ARGV[7] ~= '' then redis.call('HSET', key, 'res', ARGV[7]) end
+  keep_subject()
   redis.call('PEXPIRE', key, left)
   return 1
 end
@@ -69,6 +76,7 @@ if op == 'issued' then
   redis.call('DEL', key)
   if ttl > 0 then
     redis.call('HSET', key, 's', 'i', 'g', want)
+    keep_subject()
     redis.call('PEXPIRE', key, ttl)
   end
   return 1

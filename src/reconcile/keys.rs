@@ -1,4 +1,4 @@
-//! Phase 2: a `SCAN` of every token key in Redis, page by page, against
+//! Phase 2: a `SCAN` of every token's and client key's hash in Redis, page by page, against
 //! Postgres (`redis_live_but_consumed`, `stale_provisional`,
 //! `redis_consumed_but_live`).
 
@@ -29,6 +29,12 @@ impl Run<'_> {
                     .into_iter()
                     .filter(|t| seen.insert(t.clone()))
                     .filter_map(|t| {
+                        // A client key's hash: its id follows from its handle;
+                        // it has no expiry of its own (and no issue time for
+                        // `since`).
+                        if let Some(id) = crate::domain::key::id_of_handle(&t) {
+                            return Some((t, SnowflakeId(id as u64), 0));
+                        }
                         let v = self.r.codec.verify(&t).ok()?;
                         let issued = v.claims.issued_at_ms();
                         if since_ms.is_some_and(|s| issued < s) {

@@ -13,6 +13,7 @@ mod fleet;
 mod helpers;
 mod idle_connections;
 mod issue;
+mod keys;
 mod metrics;
 mod orders;
 mod orders_model;

@@ -167,6 +167,7 @@ fn decided(id: i64, rounds: &[bool], result_last: bool) -> Vec<Entry> {
         client: "payments".into(),
         issued_at: at(0),
         expires_at: at(3_600_000),
+        key: None,
     };
     let mut out = Vec::new();
     for (round, &release) in rounds.iter().enumerate() {
@@ -629,6 +630,7 @@ fn like_record(app: &TestApp, id: u64, subject: &str) -> TokenRecord {
         client: "payments".into(),
         issued_at: SystemClock.now(),
         expires_at: Utc.timestamp_opt(i64::from(exp), 0).unwrap(),
+        key: None,
     }
 }
 

@@ -1,6 +1,6 @@
-//! Client-supplied keys and the other routes the server does not have yet
-//! (`/v1/keys/*`, `GET /v1/tokens/{token}`, the admin release), written
-//! against API.md and ignored until the server side lands.
+//! Client-supplied keys (`/v1/keys/*`) against a spawned ledger, and the
+//! token routes the server does not have yet (`GET /v1/tokens/{token}`, the
+//! admin release), written against API.md and ignored until they land.
 
 use idempotency_ledger_client::{
     Client, ConsumeOutcome, ConsumeRequest, Error, GuardError, Guarded, IssueRequest,
@@ -15,7 +15,6 @@ fn fresh_key() -> String {
 }
 
 #[tokio::test]
-#[ignore = "needs the server's /v1/keys routes"]
 async fn every_key_consume_outcome_is_typed_durable_and_fast() {
     let ledger = spawn_ledger().await;
     let client = ledger.client(PAYMENTS);
@@ -95,7 +94,6 @@ async fn every_key_consume_outcome_is_typed_durable_and_fast() {
 }
 
 #[tokio::test]
-#[ignore = "needs the server's /v1/keys routes"]
 async fn two_clients_equal_keys_never_collide_and_subjects_bind() {
     let ledger = spawn_ledger().await;
     let key = fresh_key();
@@ -130,7 +128,6 @@ async fn two_clients_equal_keys_never_collide_and_subjects_bind() {
 }
 
 #[tokio::test]
-#[ignore = "needs the server's /v1/keys routes"]
 async fn a_key_consume_whose_answer_was_lost_learns_it_won() {
     let ledger = spawn_ledger().await;
     let proxy = Proxy::start(&ledger.url, vec![Action::DropAnswer]).await;
@@ -149,7 +146,6 @@ async fn a_key_consume_whose_answer_was_lost_learns_it_won() {
 }
 
 #[tokio::test]
-#[ignore = "needs the server's /v1/keys routes"]
 async fn the_guard_over_keys_takes_its_three_paths() {
     let ledger = spawn_ledger().await;
     let client = ledger.client(PAYMENTS);

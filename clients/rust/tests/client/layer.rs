@@ -1,7 +1,5 @@
 //! The `Idempotency-Key` layer in an axum app over a spawned ledger: every
 //! status of the draft, and one run under 20 concurrent identical requests.
-//! These need the server's `/v1/keys` routes; until they land they are
-//! ignored (the layer refuses every keyed request with a 500 without them).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -102,7 +100,6 @@ fn is_problem(r: &reqwest::Response) -> bool {
 }
 
 #[tokio::test]
-#[ignore = "needs the server's /v1/keys routes"]
 async fn a_keyed_request_runs_once_and_its_retry_gets_the_stored_response_replayed() {
     let ledger = spawn_ledger().await;
     let app = serve_app(ledger.client(PAYMENTS)).await;
@@ -145,7 +142,6 @@ async fn a_keyed_request_runs_once_and_its_retry_gets_the_stored_response_replay
 }
 
 #[tokio::test]
-#[ignore = "needs the server's /v1/keys routes"]
 async fn a_retry_while_the_first_is_running_gets_409_with_retry_after() {
     let ledger = spawn_ledger().await;
     let app = serve_app(ledger.client(PAYMENTS)).await;
@@ -182,7 +178,6 @@ async fn a_retry_while_the_first_is_running_gets_409_with_retry_after() {
 }
 
 #[tokio::test]
-#[ignore = "needs the server's /v1/keys routes"]
 async fn twenty_concurrent_identical_requests_run_the_handler_once() {
     let ledger = spawn_ledger().await;
     let app = serve_app(ledger.client(PAYMENTS)).await;
@@ -224,7 +219,6 @@ async fn twenty_concurrent_identical_requests_run_the_handler_once() {
 }
 
 #[tokio::test]
-#[ignore = "needs the server's /v1/keys routes"]
 async fn a_5xx_releases_the_key_and_a_4xx_is_stored() {
     let ledger = spawn_ledger().await;
     let app = serve_app(ledger.client(PAYMENTS)).await;

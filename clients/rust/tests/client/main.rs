@@ -1,6 +1,6 @@
 //! The client against a ledger spawned in-process (real Postgres and Redis).
-//! Tests of the routes the server does not have yet (`/v1/keys/*`,
-//! `GET /v1/tokens/{token}`, the admin release) are written against API.md
+//! Tests of the routes the server does not have yet (`GET /v1/tokens/{token}`,
+//! the admin release) are written against API.md
 //! and `#[ignore]`d until it does: `cargo test -p idempotency-ledger-client -- --ignored`.
 
 mod guard;
