@@ -13,6 +13,11 @@ use tokio::sync::Semaphore;
 
 use crate::helpers::*;
 
+/// The permits of an open gate: all of them close it. (`acquire_many` takes
+/// a `u32`: `Semaphore::MAX_PERMITS` cast to one took only a part of them,
+/// and the gate stayed open.)
+const GATE: u32 = 1 << 20;
+
 /// A checkout app: `/pay` counts its runs and waits for a permit of `gate`
 /// (so a test can hold the first request open); `/flaky` answers 500 on its
 /// first run and 201 after; `/reject` answers 400.
@@ -24,7 +29,7 @@ struct App {
 
 async fn serve_app(ledger: Client) -> App {
     let runs = Arc::new(AtomicUsize::new(0));
-    let gate = Arc::new(Semaphore::new(Semaphore::MAX_PERMITS));
+    let gate = Arc::new(Semaphore::new(GATE as usize));
     let (r, g) = (runs.clone(), gate.clone());
     let flaky_runs = Arc::new(AtomicUsize::new(0));
     let app = Router::new()
@@ -149,11 +154,7 @@ async fn a_retry_while_the_first_is_running_gets_409_with_retry_after() {
     let key = uuid::Uuid::new_v4().to_string();
     let pay = format!("{}/pay", app.url);
     // Close the gate: the first request runs and waits inside the handler.
-    let held = app
-        .gate
-        .acquire_many(Semaphore::MAX_PERMITS as u32)
-        .await
-        .expect("close the gate");
+    let held = app.gate.acquire_many(GATE).await.expect("close the gate");
     let first = tokio::spawn({
         let (http, pay, key) = (http.clone(), pay.clone(), key.clone());
         async move { send(&http, &pay, Some(&key), json!({"cart": "c-1"})).await }
