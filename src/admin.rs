@@ -15,7 +15,7 @@ use sqlx::PgPool;
 use utoipa::ToSchema;
 
 use crate::config::Settings;
-use crate::domain::AuditKind;
+use crate::domain::{AuditKind, TokenStatus};
 use crate::durable::admin::{self as sql, EventFilter, EventRow};
 use crate::durable::tokens::TokenState;
 use crate::durable::DurableError;
@@ -58,7 +58,7 @@ pub struct AuditEvent {
     #[schema(example = "1042")]
     pub id: String,
     pub at: String,
-    #[schema(example = "token.consumed")]
+    #[schema(value_type = crate::domain::AuditKind, example = "token.consumed")]
     pub kind: &'static str,
     pub token: Option<String>,
     pub subject: Option<String>,
@@ -94,7 +94,7 @@ pub struct TokenView {
     pub client: Option<String>,
     /// `issued`, `consumed` or `expired` (never consumed and past its expiry,
     /// or purged after retention).
-    #[schema(example = "consumed")]
+    #[schema(value_type = crate::domain::TokenStatus, example = "consumed")]
     pub state: &'static str,
     pub issued_at: String,
     pub expires_at: String,
@@ -250,7 +250,7 @@ async fn token(pool: &PgPool, codec: &TokenCodec, text: &str) -> Result<TokenVie
             biz_type: verified.claims.biz_type.to_string(),
             subject: events.iter().find_map(|e| e.subject.clone()),
             client: events.iter().find_map(|e| e.client.clone()),
-            state: "expired",
+            state: TokenStatus::Expired.as_str(),
             issued_at: ms(verified.claims.issued_at_ms()).unwrap_or_default(),
             expires_at: ms(verified.claims.expires_at_ms()).unwrap_or_default(),
             consumed_at: consumed.map(|e| time(e.at)),
@@ -262,10 +262,11 @@ async fn token(pool: &PgPool, codec: &TokenCodec, text: &str) -> Result<TokenVie
         });
     };
     let state = match (row.state, row.expired) {
-        (TokenState::Consumed, _) => "consumed",
-        (TokenState::Issued, false) => "issued",
-        (TokenState::Issued, true) => "expired",
-    };
+        (TokenState::Consumed, _) => TokenStatus::Consumed,
+        (TokenState::Issued, false) => TokenStatus::Issued,
+        (TokenState::Issued, true) => TokenStatus::Expired,
+    }
+    .as_str();
     Ok(TokenView {
         token: row.token,
         biz_type: row.biz_type,
@@ -430,7 +431,7 @@ pub struct Stats {
     #[schema(example = "1h")]
     pub window: String,
     /// This instance's mode: `normal`, `degraded` or `redis_down`.
-    #[schema(example = "normal")]
+    #[schema(value_type = crate::health::Mode, example = "normal")]
     pub mode: String,
     /// Every configured biz type (zeros when idle), plus any other seen.
     pub biz_types: BTreeMap<String, BizStats>,

@@ -1,7 +1,8 @@
 //! Validated request values ("parse, don't validate"): biz types, subjects,
-//! fingerprints, request ids, order ids. Each newtype can only hold a valid
-//! value. Also the closed sets Postgres stores as enums: the audit kinds, and
-//! the order states with their state machine ([`order`]). Pure: nothing here
+//! fingerprints, request ids, order ids, an operator's release reason. Each
+//! newtype can only hold a valid value. Also the closed sets: the token
+//! states readers see, and those Postgres stores as enums: the audit kinds,
+//! and the order states with their state machine ([`order`]). Pure: nothing here
 //! imports the rest of the crate.
 
 pub mod key;
@@ -120,6 +121,60 @@ impl OrderId {
     }
 }
 
+/// Why an operator released a token (`POST /v1/admin/tokens/{token}/release`):
+/// 1 to 500 characters, not only white space, without U+0000 (Postgres
+/// cannot store it in the audit event's `jsonb`). Line breaks are allowed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reason(String);
+
+impl Reason {
+    pub fn parse(s: &str) -> Result<Reason, Invalid> {
+        let n = s.chars().count();
+        if n == 0 || n > 500 || s.trim().is_empty() || s.contains('\0') {
+            return Err(Invalid(
+                "`reason` must be 1 to 500 characters, not only white space, without U+0000".into(),
+            ));
+        }
+        Ok(Reason(s.to_owned()))
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A token's state as its readers see it (`GET /v1/tokens/{token}`, the
+/// admin view). Postgres stores `issued` and `consumed`; `expired` is a token
+/// never consumed and past its expiry, or one purged after its retention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TokenStatus {
+    Issued,
+    Consumed,
+    Expired,
+}
+
+impl TokenStatus {
+    pub const ALL: [TokenStatus; 3] = [
+        TokenStatus::Issued,
+        TokenStatus::Consumed,
+        TokenStatus::Expired,
+    ];
+
+    /// The label in JSON (`state`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TokenStatus::Issued => "issued",
+            TokenStatus::Consumed => "consumed",
+            TokenStatus::Expired => "expired",
+        }
+    }
+}
+
+impl fmt::Display for TokenStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// What an audit event records (the `audit_kind` enum of V1; order events
 /// use the `order.*` ones as their `order_event_kind` too).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -215,6 +270,16 @@ mod tests {
         }
         for v in [json!(null), json!({"a": [1, "b", true]}), json!("\\u0000")] {
             assert!(!json_holds_nul(&v), "{v}");
+        }
+    }
+
+    #[test]
+    fn reasons() {
+        assert!(Reason::parse("consumer crashed, ticket OPS-1").is_ok());
+        assert!(Reason::parse(&"é".repeat(500)).is_ok());
+        assert!(Reason::parse("two\nlines").is_ok());
+        for bad in ["", "   ", "\n", "nul\u{0}", &"a".repeat(501)] {
+            assert!(Reason::parse(bad).is_err(), "{bad:?}");
         }
     }
 

@@ -107,6 +107,9 @@ pub struct Entry {
     /// When the decision was made (its audit row's time).
     pub at: DateTime<Utc>,
     pub version: Versioned,
+    /// Merged into its audit row's detail (an operator's release:
+    /// `{"by": "admin", "reason": ...}`).
+    pub detail: Option<Json>,
 }
 
 /// Applies a batch of entries in one statement (see the module docs);
@@ -129,10 +132,11 @@ pub async fn apply(pool: &PgPool, batch: &[Entry]) -> Result<u64, DurableError> 
             SELECT * FROM UNNEST($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[],
                                  $6::timestamptz[], $7::timestamptz[], $8::bigint[], $9::text[],
                                  $10::timestamptz[], $11::text[], $12::text[], $13::text[],
-                                 $14::timestamptz[], $15::text[], $16::timestamptz[], $17::text[])
+                                 $14::timestamptz[], $15::text[], $16::timestamptz[], $17::text[], $18::text[])
                      WITH ORDINALITY
                      AS e(id, token, biz_type, subject, client, issued_at, expires_at, gen, state,
-                          consumed_at, fingerprint, request_id, result, result_at, kind, at, key, ord)
+                          consumed_at, fingerprint, request_id, result, result_at, kind, at, key, detail,
+                          ord)
         ), newest AS (
             SELECT DISTINCT ON (id) * FROM e
              ORDER BY id, gen DESC, (result IS NOT NULL) DESC, ord
@@ -168,6 +172,7 @@ pub async fn apply(pool: &PgPool, batch: &[Entry]) -> Result<u64, DurableError> 
                        ELSE jsonb_build_object('via', 'journal')
                    END
                    || CASE WHEN e.key IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('key', e.key) END
+                   || COALESCE(e.detail::jsonb, '{}'::jsonb)
               FROM e
              WHERE e.id IN (SELECT id FROM up)
                 OR EXISTS (SELECT 1 FROM tokens t WHERE t.id = e.id AND t.durability = 'fast')
@@ -193,6 +198,7 @@ pub async fn apply(pool: &PgPool, batch: &[Entry]) -> Result<u64, DurableError> 
     .bind(&c.kinds)
     .bind(&c.ats)
     .bind(&c.keys)
+    .bind(&c.details)
     .fetch_one(pool)
     .await?;
     Ok(u64::try_from(moved).unwrap_or(0))
@@ -220,6 +226,8 @@ struct Columns<'a> {
     ats: Vec<DateTime<Utc>>,
     /// A client key's text; `None` for tokens.
     keys: Vec<Option<&'a str>>,
+    /// JSON text, as `results`.
+    details: Vec<Option<String>>,
 }
 
 impl<'a> Columns<'a> {
@@ -242,6 +250,7 @@ impl<'a> Columns<'a> {
             kinds: Vec::with_capacity(n),
             ats: Vec::with_capacity(n),
             keys: Vec::with_capacity(n),
+            details: Vec::with_capacity(n),
         }
     }
 
@@ -262,6 +271,7 @@ impl<'a> Columns<'a> {
         self.kinds.push(kind.as_str());
         self.keys.push(r.key.as_deref());
         self.ats.push(e.at);
+        self.details.push(e.detail.as_ref().map(Json::to_string));
         match &e.version.state {
             Decided::Issued => {
                 self.states.push("issued");

@@ -85,6 +85,41 @@ pub async fn find(pool: &PgPool, id: i64) -> Result<Option<Existing>, DurableErr
     Ok(row.as_ref().map(existing).transpose()?)
 }
 
+/// A token's state for a read that changes nothing, with Postgres's clock,
+/// which has the last word on expiry (as in the consume statement). One
+/// round trip; `None`: no row (the issuance record is still on its way, or
+/// the record was purged after its retention).
+pub async fn read(
+    pool: &PgPool,
+    id: i64,
+) -> Result<(DateTime<Utc>, Option<Existing>), DurableError> {
+    let row = super::fetch_one(pool, || {
+        sqlx::query(
+            "SELECT now() AS now, t.id IS NOT NULL AS found, t.state, t.consumed_at, t.fingerprint,
+                    t.request_id, t.result, t.order_id, t.expires_at, t.gen
+               FROM (SELECT 1) AS one LEFT JOIN tokens t ON t.id = $1",
+        )
+        .bind(id)
+    })
+    .await?;
+    let now = row.try_get("now")?;
+    let found: bool = row.try_get("found")?;
+    Ok((now, if found { Some(existing(&row)?) } else { None }))
+}
+
+/// Whom a token was issued to: its `(subject, client)` as Postgres recorded
+/// them (`None`: no record yet, or purged).
+pub async fn owner(pool: &PgPool, id: i64) -> Result<Option<(String, String)>, DurableError> {
+    let row = super::fetch_optional(pool, || {
+        sqlx::query("SELECT subject, client FROM tokens WHERE id = $1").bind(id)
+    })
+    .await?;
+    Ok(match row {
+        Some(r) => Some((r.try_get("subject")?, r.try_get("client")?)),
+        None => None,
+    })
+}
+
 /// The durable consume: one statement, one round trip.
 pub async fn consume(
     pool: &PgPool,
@@ -266,9 +301,19 @@ pub enum ReleaseRow {
 /// Returns a consumed token with no result and no order event to issued, at
 /// the next generation, with its audit row.
 pub async fn release(pool: &PgPool, id: i64) -> Result<ReleaseRow, DurableError> {
+    release_with(pool, id, None).await
+}
+
+/// [`release`], with `detail` as the audit row's detail (an operator's
+/// release: `{"by": "admin", "reason": ...}`).
+pub async fn release_with(
+    pool: &PgPool,
+    id: i64,
+    detail: Option<&Json>,
+) -> Result<ReleaseRow, DurableError> {
     let row = super::fetch_optional(pool, || {
         sqlx::query(
-        r#"
+            r#"
         WITH rel AS (
             UPDATE tokens
                SET state = 'issued', gen = gen + 1, consumed_at = NULL, fingerprint = NULL,
@@ -283,13 +328,15 @@ pub async fn release(pool: &PgPool, id: i64) -> Result<ReleaseRow, DurableError>
                    r.id, CASE WHEN r.key IS NULL THEN r.token END, nullif(r.subject, ''), r.biz_type,
                    r.client, r.gen,
                    CASE WHEN r.key IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('key', r.key) END
+                   || COALESCE($2::jsonb, '{}'::jsonb)
               FROM rel r
             ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
         )
         SELECT expires_at, gen FROM rel
         "#,
-    )
-    .bind(id)
+        )
+        .bind(id)
+        .bind(detail)
     })
     .await?;
     if let Some(r) = row {

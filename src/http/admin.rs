@@ -1,5 +1,6 @@
-//! Admin routes: one token's or client key's story, audit event pages, fleet stats (role
-//! admin) and reconciliation (role admin or reconciler). The role is checked
+//! Admin routes: one token's or client key's story, an operator's release of
+//! a token stuck in `processing`, audit event pages, fleet stats (role admin)
+//! and reconciliation (role admin or reconciler). The role is checked
 //! right after authentication, before the request is read: any other role
 //! gets 403 `forbidden` on every admin route.
 
@@ -12,11 +13,12 @@ use tokio_util::sync::CancellationToken;
 use utoipa::ToSchema;
 
 use super::error::ApiError;
-use super::extract::{BodyLimit, Caller, OptionalJsonBody};
+use super::extract::{BodyLimit, Caller, JsonBody, OptionalJsonBody};
 use super::tokens::path_token;
 use super::AppState;
 use crate::admin::{self, AdminError, AuditQuery, Window};
 use crate::auth::{Client, Role};
+use crate::domain::Reason;
 use crate::reconcile::{self, ReconcileError};
 
 impl From<AdminError> for ApiError {
@@ -156,6 +158,54 @@ pub async fn key(
     Ok(HttpResponse::Ok().json(view))
 }
 
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AdminReleaseRequest {
+    /// Why (1 to 500 characters, not only white space): kept in the audit
+    /// event's `detail.reason`.
+    #[schema(
+        example = "consumer crashed before recording a result; INC-1042",
+        min_length = 1,
+        max_length = 500
+    )]
+    pub reason: String,
+}
+impl BodyLimit for AdminReleaseRequest {}
+
+/// Free a token stuck in `processing` (its consumer died before recording a
+/// result or releasing it): a consumed token with no result and no order
+/// event returns to unconsumed, whichever client it belongs to. Audited as
+/// `token.released` with `detail.by = "admin"` and the reason.
+#[utoipa::path(post, path = "/v1/admin/tokens/{token}/release", tag = "admin",
+    request_body = AdminReleaseRequest,
+    params(("token" = String, Path, description = "The token text")),
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "released", body = super::tokens::OutcomeResponse),
+        (status = 400, description = "invalid_request (no reason, or one beyond 500 characters), token_invalid", body = super::ErrorBody),
+        (status = 403, description = "forbidden: not an admin", body = super::ErrorBody),
+        (status = 409, description = "not_releasable: not consumed, or it has a result or an order event", body = super::ErrorBody),
+        (status = 422, description = "unknown_biz_type", body = super::ErrorBody),
+        (status = 503, description = "unavailable: the deciding tier cannot be reached, nothing changed (with Retry-After)", body = super::ErrorBody),
+    ))]
+pub async fn release(
+    state: web::Data<AppState>,
+    AdminCaller(caller): AdminCaller,
+    token: web::Path<String>,
+    JsonBody(body): JsonBody<AdminReleaseRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let reason = Reason::parse(&body.reason).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let text = path_token(&token)?;
+    state
+        .ledger
+        .release_by_admin(&caller, text, &reason)
+        .await?;
+    tracing::info!(client = %caller.name, reason = reason.as_str(), "token released by an operator");
+    Ok(HttpResponse::Ok().json(super::tokens::OutcomeResponse {
+        outcome: "released",
+    }))
+}
+
 /// Query of `GET /v1/admin/audit`; empty values count as absent.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -165,6 +215,7 @@ pub struct AuditParams {
     pub biz_type: Option<String>,
     pub order_id: Option<String>,
     /// One of the audit kinds, e.g. `token.consumed`.
+    #[param(value_type = Option<crate::domain::AuditKind>)]
     pub kind: Option<String>,
     /// RFC 3339; inclusive.
     pub since: Option<String>,

@@ -16,14 +16,18 @@ use super::{admin, keys, ops, orders, tokens, ErrorBody};
     paths(
         tokens::issue, tokens::generate, tokens::consume, tokens::result, tokens::release,
         keys::consume, keys::result, keys::release, keys::get,
+        tokens::state,
         orders::create, orders::get, orders::pay, orders::refund, orders::close,
         ops::healthz, ops::readyz, ops::metrics, ops::openapi,
-        admin::token, admin::key, admin::audit, admin::stats, admin::run_reconcile,
+        admin::token, admin::key, admin::release, admin::audit, admin::stats, admin::run_reconcile,
     ),
     components(schemas(
-        ErrorBody, tokens::IssueRequest, tokens::IssueResponse, tokens::GenerateResponse,
+        ErrorBody, crate::domain::TokenStatus, crate::domain::AuditKind,
+        crate::domain::order::OrderState, crate::health::Mode, crate::ledger::AnswerOutcome,
+        crate::ledger::DuplicateStatus, tokens::IssueRequest, tokens::IssueResponse, tokens::GenerateResponse,
         tokens::ConsumeRequest, tokens::ConsumeResponse, tokens::ResultRequest, tokens::ReleaseRequest,
-        tokens::OutcomeResponse, ops::Readiness,
+        tokens::OutcomeResponse, tokens::TokenStateResponse, admin::AdminReleaseRequest,
+        ops::Readiness,
         keys::KeyConsumeRequest, keys::KeyConsumeResponse, keys::KeyResultRequest,
         keys::KeyReleaseRequest, keys::KeyStateResponse,
         orders::CreateOrderRequest, orders::OrderBody, orders::OrderEventBody, orders::PayRequest,
@@ -222,6 +226,67 @@ impl Modify for Common {
     }
 }
 
+/// A string schema holding exactly `values`, taken from a Rust enum's `ALL`
+/// and `as_str`: the description cannot drift from the code.
+fn closed_set(
+    description: &str,
+    values: impl IntoIterator<Item = &'static str>,
+) -> RefOr<utoipa::openapi::schema::Schema> {
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .description(Some(description))
+        .enum_values(Some(values))
+        .into()
+}
+
+/// The OpenAPI schema of a closed set, named `$name`, from its enum's `ALL`
+/// and `as_str`.
+macro_rules! closed_set_schema {
+    ($ty:ty, $name:literal, $description:literal) => {
+        impl utoipa::PartialSchema for $ty {
+            fn schema() -> RefOr<utoipa::openapi::schema::Schema> {
+                closed_set($description, <$ty>::ALL.iter().map(|v| v.as_str()))
+            }
+        }
+        impl utoipa::ToSchema for $ty {
+            fn name() -> std::borrow::Cow<'static, str> {
+                std::borrow::Cow::Borrowed($name)
+            }
+        }
+    };
+}
+
+closed_set_schema!(
+    crate::domain::AuditKind,
+    "AuditKind",
+    "What an audit event records"
+);
+closed_set_schema!(
+    crate::domain::order::OrderState,
+    "OrderState",
+    "An order's state: CREATED -> PAID -> PARTIALLY_REFUNDED -> REFUNDED, CREATED -> CLOSED"
+);
+closed_set_schema!(
+    crate::health::Mode,
+    "Mode",
+    "How the service uses Redis right now: normal; degraded (Redis is slow, a sample of durable consumes bypasses it); redis_down (Redis is skipped)"
+);
+closed_set_schema!(
+    crate::ledger::AnswerOutcome,
+    "ConsumeOutcome",
+    "A consume answer: consumed (this attempt, or a retry of it with the winning request_id, won) or duplicate (another attempt won)"
+);
+closed_set_schema!(
+    crate::ledger::DuplicateStatus,
+    "DuplicateStatus",
+    "What a duplicate learns of the winner: processing (no result yet) or completed (its result is in `result`)"
+);
+closed_set_schema!(
+    crate::domain::TokenStatus,
+    "TokenState",
+    "A token's state: issued (unconsumed and live, also after a release), consumed, or expired (never consumed and past its expiry, or purged after the retention)"
+);
+
 /// The spec as committed in `openapi.json` at the repository's root.
 pub fn pretty() -> String {
     let mut text = ApiDoc::openapi()
@@ -332,6 +397,96 @@ mod tests {
             .find(|p| p["name"] == "limit")
             .expect("limit")["schema"];
         assert_eq!(limit["type"], "integer", "{limit}");
+    }
+
+    /// The closed sets are enums holding exactly the Rust enums' values, and
+    /// the fields that carry them refer to them.
+    #[test]
+    fn closed_sets_are_the_rust_enums() {
+        use crate::domain::{order::OrderState, AuditKind, TokenStatus};
+        use crate::health::Mode;
+        use crate::ledger::{AnswerOutcome, DuplicateStatus};
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        let schemas = &doc["components"]["schemas"];
+        let values = |name: &str| -> Vec<String> {
+            schemas[name]["enum"]
+                .as_array()
+                .unwrap_or_else(|| panic!("{name} is not an enum: {}", schemas[name]))
+                .iter()
+                .map(|v| v.as_str().expect("a string").to_owned())
+                .collect()
+        };
+        let strings = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let sets = [
+            (
+                "TokenState",
+                strings(&TokenStatus::ALL.map(TokenStatus::as_str)),
+            ),
+            (
+                "OrderState",
+                strings(&OrderState::ALL.map(OrderState::as_str)),
+            ),
+            ("AuditKind", strings(&AuditKind::ALL.map(AuditKind::as_str))),
+            ("Mode", strings(&Mode::ALL.map(Mode::as_str))),
+            (
+                "ConsumeOutcome",
+                strings(&AnswerOutcome::ALL.map(AnswerOutcome::as_str)),
+            ),
+            (
+                "DuplicateStatus",
+                strings(&DuplicateStatus::ALL.map(DuplicateStatus::as_str)),
+            ),
+        ];
+        for (name, want) in &sets {
+            assert_eq!(&values(name), want, "{name}");
+        }
+        let refers = |schema: &str, field: &str, to: &str| {
+            let text = schemas[schema]["properties"][field].to_string();
+            assert!(
+                text.contains(&format!("#/components/schemas/{to}")),
+                "{schema}.{field} does not refer to {to}: {text}"
+            );
+        };
+        refers("TokenStateResponse", "state", "TokenState");
+        refers("TokenView", "state", "TokenState");
+        refers("OrderBody", "state", "OrderState");
+        refers("AuditEvent", "kind", "AuditKind");
+        refers("OrderEventBody", "kind", "AuditKind");
+        refers("Readiness", "mode", "Mode");
+        refers("Stats", "mode", "Mode");
+        let consume = schemas["ConsumeResponse"].to_string();
+        for to in ["ConsumeOutcome", "DuplicateStatus"] {
+            assert!(
+                consume.contains(&format!("#/components/schemas/{to}")),
+                "ConsumeResponse does not refer to {to}: {consume}"
+            );
+        }
+        let kind = doc["paths"]["/v1/admin/audit"]["get"]["parameters"]
+            .as_array()
+            .expect("parameters")
+            .iter()
+            .find(|p| p["name"] == "kind")
+            .expect("kind")["schema"]
+            .to_string();
+        assert!(kind.contains("#/components/schemas/AuditKind"), "{kind}");
+    }
+
+    /// Both routes for a token stuck in processing, with every status.
+    #[test]
+    fn token_state_and_admin_release_declare_their_statuses() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        let read = &doc["paths"]["/v1/tokens/{token}"]["get"]["responses"];
+        for s in [
+            "200", "400", "401", "403", "405", "422", "429", "500", "503",
+        ] {
+            assert!(read[s].is_object(), "GET /v1/tokens/{{token}}: no {s}");
+        }
+        let release = &doc["paths"]["/v1/admin/tokens/{token}/release"]["post"]["responses"];
+        for s in [
+            "200", "400", "401", "403", "409", "413", "415", "422", "429", "500", "503",
+        ] {
+            assert!(release[s].is_object(), "admin release: no {s}");
+        }
     }
 
     /// A result is any JSON value (API.md), not only an object.

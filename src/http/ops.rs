@@ -23,6 +23,7 @@ pub struct Readiness {
     /// `up`, `down` or `slow`.
     pub redis: &'static str,
     /// `normal`, `degraded` or `redis_down`.
+    #[schema(value_type = crate::health::Mode)]
     pub mode: &'static str,
     /// This instance's snowflake worker id.
     pub worker_id: u16,

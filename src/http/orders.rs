@@ -48,6 +48,7 @@ impl From<OrderError> for ApiError {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct OrderEventBody {
     /// `order.created`, `order.paid`, `order.refunded` or `order.closed`.
+    #[schema(value_type = crate::domain::AuditKind)]
     pub kind: String,
     /// The token the event consumed (null for `order.created`).
     pub token: Option<String>,
@@ -60,6 +61,7 @@ pub struct OrderBody {
     pub order_id: String,
     pub subject: String,
     /// `CREATED`, `PAID`, `PARTIALLY_REFUNDED`, `REFUNDED` or `CLOSED`.
+    #[schema(value_type = crate::domain::order::OrderState)]
     pub state: String,
     pub amount_minor: i64,
     pub refunded_minor: i64,

@@ -1,4 +1,5 @@
-//! Token routes: issue (and the seed's alias), consume, result, release.
+//! Token routes: issue (and the seed's alias), consume, result, release, and
+//! reading a token's state.
 //! Handlers parse, call the ledger, and shape the answer; nothing else.
 
 use actix_web::{web, HttpResponse};
@@ -10,7 +11,7 @@ use super::error::ApiError;
 use super::extract::{BodyLimit, Caller, JsonBody};
 use super::AppState;
 use crate::domain::{BizType, Fingerprint, RequestId, Subject};
-use crate::ledger::{ConsumeAnswer, ConsumeInput, DuplicateStatus, ResultAnswer};
+use crate::ledger::{ConsumeAnswer, ConsumeInput, ResultAnswer, TokenReading};
 use crate::token::MAX_TOKEN_LEN;
 
 pub const REPLAYED: &str = "Idempotent-Replayed";
@@ -188,16 +189,17 @@ impl ConsumeRequest {
 pub enum ConsumeResponse {
     Consumed {
         /// `consumed`
-        #[schema(example = "consumed")]
+        #[schema(value_type = crate::ledger::AnswerOutcome, example = "consumed")]
         outcome: &'static str,
         token: String,
         consumed_at: String,
     },
     Duplicate {
         /// `duplicate`
-        #[schema(example = "duplicate")]
+        #[schema(value_type = crate::ledger::AnswerOutcome, example = "duplicate")]
         outcome: &'static str,
         /// `processing` (no result yet) or `completed`.
+        #[schema(value_type = crate::ledger::DuplicateStatus)]
         status: &'static str,
         consumed_at: Option<String>,
         /// Any JSON value (object, array, string, number, boolean).
@@ -206,6 +208,7 @@ pub enum ConsumeResponse {
 }
 
 pub fn consume_response(token: &str, answer: ConsumeAnswer) -> HttpResponse {
+    let outcome = answer.outcome().as_str();
     match answer {
         ConsumeAnswer::Consumed {
             consumed_at,
@@ -216,7 +219,7 @@ pub fn consume_response(token: &str, answer: ConsumeAnswer) -> HttpResponse {
                 resp.insert_header((REPLAYED, "true"));
             }
             resp.json(ConsumeResponse::Consumed {
-                outcome: "consumed",
+                outcome,
                 token: token.to_owned(),
                 consumed_at: rfc3339(consumed_at),
             })
@@ -229,11 +232,8 @@ pub fn consume_response(token: &str, answer: ConsumeAnswer) -> HttpResponse {
             HttpResponse::Ok()
                 .insert_header((REPLAYED, "true"))
                 .json(ConsumeResponse::Duplicate {
-                    outcome: "duplicate",
-                    status: match status {
-                        DuplicateStatus::Processing => "processing",
-                        DuplicateStatus::Completed => "completed",
-                    },
+                    outcome,
+                    status: status.as_str(),
                     consumed_at: consumed_at.map(rfc3339),
                     result,
                 })
@@ -352,4 +352,80 @@ pub async fn release(
     Ok(HttpResponse::Ok().json(OutcomeResponse {
         outcome: "released",
     }))
+}
+
+/// Query of `GET /v1/tokens/{token}`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct StateQuery {
+    /// The user the token was issued to (required, except for admins, whose
+    /// read is not bound to a subject).
+    pub subject: Option<String>,
+}
+
+/// A token's state, as its own client reads it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TokenStateResponse {
+    pub token: String,
+    pub biz_type: String,
+    /// `issued` (unconsumed and live; also after a release), `consumed`, or
+    /// `expired` (never consumed and past its expiry, or purged after the
+    /// retention).
+    #[schema(value_type = crate::domain::TokenStatus)]
+    pub state: &'static str,
+    /// RFC 3339 UTC.
+    pub expires_at: String,
+    /// Set while consumed.
+    pub consumed_at: Option<String>,
+    /// The recorded result (any JSON value), once there is one: `consumed`
+    /// with a result is `completed`, without one `processing`.
+    pub result: Option<Json>,
+}
+
+impl TokenStateResponse {
+    fn new(token: &str, r: TokenReading) -> TokenStateResponse {
+        TokenStateResponse {
+            token: token.to_owned(),
+            biz_type: r.biz_type.to_string(),
+            state: r.state.as_str(),
+            expires_at: rfc3339(r.expires_at),
+            consumed_at: r.consumed_at.map(rfc3339),
+            result: r.result,
+        }
+    }
+}
+
+/// Read a token's state without consuming it ("did my payment go
+/// through?"). Never counts as a consume or a duplicate. Durable biz types
+/// answer from Postgres; fast ones from Redis (Postgres when Redis does not
+/// hold the token or is unreachable). A token past its expiry is 200
+/// `expired`, not `token_expired`.
+#[utoipa::path(get, path = "/v1/tokens/{token}", tag = "tokens", params(
+        ("token" = String, Path, description = "The token text"),
+        StateQuery,
+    ),
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "The token's state", body = TokenStateResponse),
+        (status = 400, description = "invalid_request (no subject, unknown query parameters), token_invalid", body = super::ErrorBody),
+        (status = 403, description = "token_mismatch (another subject or client), forbidden (biz type not granted)", body = super::ErrorBody),
+        (status = 422, description = "unknown_biz_type", body = super::ErrorBody),
+        (status = 503, description = "unavailable: Postgres cannot be asked (with Retry-After)", body = super::ErrorBody),
+    ))]
+pub async fn state(
+    state: web::Data<AppState>,
+    Caller(caller): Caller,
+    token: web::Path<String>,
+    query: Result<web::Query<StateQuery>, actix_web::Error>,
+) -> Result<HttpResponse, ApiError> {
+    let query = query.map_err(|_| ApiError::invalid("the query takes only `subject`"))?;
+    let subject = match query.subject.as_deref() {
+        Some(s) => Some(parse(Subject::parse(s))?),
+        None if caller.is_admin() => None,
+        None => return Err(ApiError::invalid("`subject` is required")),
+    };
+    let token = path_token(&token)?;
+    let reading = state.ledger.read(&caller, token, subject.as_ref()).await?;
+    Ok(HttpResponse::Ok().json(TokenStateResponse::new(token, reading)))
 }

@@ -44,6 +44,12 @@ fn fields_of(rec: &TokenRecord, packed: String) -> Vec<(&'static str, String)> {
     fields
 }
 
+/// Fields of an operator's release (see [`admin_release_fields_for`]): who
+/// released it and why, for its audit row. Fields of their own, so that a
+/// drainer that does not know them still applies the release.
+pub const BY: &str = "by";
+pub const REASON: &str = "reason";
+
 /// The journal fields of a fast-type consume.
 pub fn consume_fields(
     rec: &TokenRecord,
@@ -108,6 +114,26 @@ pub fn release_fields_for(rec: &TokenRecord) -> Vec<(&'static str, String)> {
         rec.expires_at.timestamp_millis(),
     );
     fields_of(rec, pack(&entry))
+}
+
+/// The journal fields of a fast-type release by an operator: the release's
+/// with who (`admin`) and why, which its audit row's detail records.
+pub fn admin_release_fields_for(rec: &TokenRecord, reason: &str) -> Vec<(&'static str, String)> {
+    let mut fields = release_fields_for(rec);
+    fields.push((BY, "admin".to_owned()));
+    fields.push((REASON, reason.to_owned()));
+    fields
+}
+
+/// The audit detail an entry's own fields add (an operator's release).
+fn detail_of(e: &JournalEntry) -> Option<Json> {
+    let by = e.get(BY)?;
+    let mut detail = serde_json::Map::new();
+    detail.insert("by".to_owned(), Json::from(by));
+    if let Some(reason) = e.get(REASON) {
+        detail.insert("reason".to_owned(), Json::from(reason));
+    }
+    Some(Json::Object(detail))
 }
 
 fn pack(entry: &impl serde::Serialize) -> String {
@@ -259,6 +285,7 @@ fn parse_packed(e: &JournalEntry, packed: &str) -> Entry {
                             result: None,
                         },
                     },
+                    detail: None,
                 }),
                 Ok(None) => Entry::Consume(JournalConsume {
                     record,
@@ -297,6 +324,7 @@ fn parse_packed(e: &JournalEntry, packed: &str) -> Entry {
                                 result: Some((result, at)),
                             },
                         },
+                        detail: None,
                     })
                 }
                 Ok(None) => Entry::Result { id, result },
@@ -319,6 +347,7 @@ fn parse_packed(e: &JournalEntry, packed: &str) -> Entry {
                         gen,
                         state: Decided::Issued,
                     },
+                    detail: detail_of(e),
                 }),
                 Ok(None) => Entry::Release { id },
                 Err(why) => Entry::Bad(why),
@@ -511,6 +540,19 @@ mod tests {
                         gen: 4,
                         state: Decided::Issued
                     }
+                );
+                assert_eq!(v.detail, None);
+            }
+            other => panic!("{other:?}"),
+        }
+        // An operator's release says who and why.
+        let fields = admin_release_fields_for(&rec, "consumer died; OPS-7");
+        match parse(&entry_with(&fields, &added)) {
+            Entry::Versioned(v) => {
+                assert_eq!((v.kind, v.version.gen), (EntryKind::Release, 4));
+                assert_eq!(
+                    v.detail,
+                    Some(serde_json::json!({"by": "admin", "reason": "consumer died; OPS-7"}))
                 );
             }
             other => panic!("{other:?}"),

@@ -5,7 +5,7 @@
 use chrono::{DateTime, Utc};
 use serde_json::Value as Json;
 
-use crate::domain::{BizType, Fingerprint, RequestId, Subject};
+use crate::domain::{BizType, Fingerprint, RequestId, Subject, TokenStatus};
 use crate::durable::DurableError;
 use crate::metrics::Stat;
 
@@ -69,10 +69,43 @@ pub struct Issued {
     pub ttl_seconds: u64,
 }
 
+/// What a duplicate learns of the attempt that won: still without a result
+/// (`processing`: running, or its consumer died) or with one (`completed`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DuplicateStatus {
     Processing,
     Completed,
+}
+
+impl DuplicateStatus {
+    pub const ALL: [DuplicateStatus; 2] = [DuplicateStatus::Processing, DuplicateStatus::Completed];
+
+    /// The label in JSON (`status`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DuplicateStatus::Processing => "processing",
+            DuplicateStatus::Completed => "completed",
+        }
+    }
+}
+
+/// The `outcome` of a consume answer, one per [`ConsumeAnswer`] variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnswerOutcome {
+    Consumed,
+    Duplicate,
+}
+
+impl AnswerOutcome {
+    pub const ALL: [AnswerOutcome; 2] = [AnswerOutcome::Consumed, AnswerOutcome::Duplicate];
+
+    /// The label in JSON (`outcome`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AnswerOutcome::Consumed => "consumed",
+            AnswerOutcome::Duplicate => "duplicate",
+        }
+    }
 }
 
 /// The answer to a consume.
@@ -89,6 +122,15 @@ pub enum ConsumeAnswer {
         consumed_at: Option<DateTime<Utc>>,
         result: Option<Json>,
     },
+}
+
+impl ConsumeAnswer {
+    pub fn outcome(&self) -> AnswerOutcome {
+        match self {
+            ConsumeAnswer::Consumed { .. } => AnswerOutcome::Consumed,
+            ConsumeAnswer::Duplicate { .. } => AnswerOutcome::Duplicate,
+        }
+    }
 }
 
 /// A consume request, parsed.
@@ -158,6 +200,17 @@ impl ConsumeOutcome {
             | ConsumeOutcome::Unavailable => None,
         }
     }
+}
+
+/// What a token's own client (or an admin) reads of it
+/// (`GET /v1/tokens/{token}`): a read that changes nothing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenReading {
+    pub biz_type: BizType,
+    pub state: TokenStatus,
+    pub expires_at: DateTime<Utc>,
+    pub consumed_at: Option<DateTime<Utc>>,
+    pub result: Option<Json>,
 }
 
 /// Whether a result was recorded now or had been already (same value).

@@ -54,6 +54,15 @@ impl std::fmt::Debug for Ledger {
     }
 }
 
+/// Whether a refused token counts as a consume attempt (`ledger_consume_total`
+/// and the fleet's stats: consume, result, release) or not at all (a read of
+/// its state, an operator's release).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Tally {
+    Consume,
+    Quiet,
+}
+
 pub(super) fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
@@ -165,14 +174,24 @@ impl Ledger {
     }
 
     /// The checks that need no subject: tag, issued by the fleet, biz type
-    /// known and granted.
+    /// known and granted. A refusal counts as a consume attempt.
     pub(super) fn authorize_unbound(
         &self,
         caller: &Client,
         text: &str,
     ) -> Result<(VerifiedToken, &BizSettings), LedgerError> {
-        let token = self.verify(text)?;
-        self.issued_by_fleet(&token)?;
+        self.authorize_unbound_as(caller, text, Tally::Consume)
+    }
+
+    /// [`Ledger::authorize_unbound`], counting a refusal as `tally` says.
+    pub(super) fn authorize_unbound_as(
+        &self,
+        caller: &Client,
+        text: &str,
+        tally: Tally,
+    ) -> Result<(VerifiedToken, &BizSettings), LedgerError> {
+        let token = self.verify(text, tally)?;
+        self.issued_by_fleet(&token, tally)?;
         let settings = self.biz_settings_for(caller, &token.claims.biz_type)?;
         Ok((token, settings))
     }
@@ -189,10 +208,12 @@ impl Ledger {
     }
 
     /// Parses and verifies the tag only.
-    fn verify(&self, text: &str) -> Result<VerifiedToken, LedgerError> {
+    fn verify(&self, text: &str, tally: Tally) -> Result<VerifiedToken, LedgerError> {
         self.codec.verify(text).map_err(|e: TokenError| {
-            let prefix = text.split('_').next().unwrap_or("");
-            self.count_invalid(BizType::parse(prefix).ok().as_ref());
+            if tally == Tally::Consume {
+                let prefix = text.split('_').next().unwrap_or("");
+                self.count_invalid(BizType::parse(prefix).ok().as_ref());
+            }
             tracing::debug!(reason = %e, "token refused");
             LedgerError::TokenInvalid
         })
@@ -200,10 +221,12 @@ impl Ledger {
 
     /// Refuses a verified token that the fleet's filter says was never
     /// issued (a valid tag under a leaked key, say). No I/O.
-    fn issued_by_fleet(&self, token: &VerifiedToken) -> Result<(), LedgerError> {
+    fn issued_by_fleet(&self, token: &VerifiedToken, tally: Tally) -> Result<(), LedgerError> {
         match self.bloom.check(token.claims.id, self.clock.now_ms()) {
             Verdict::Rejected => {
-                self.count_invalid(Some(&token.claims.biz_type));
+                if tally == Tally::Consume {
+                    self.count_invalid(Some(&token.claims.biz_type));
+                }
                 tracing::debug!(token = %token.redacted(), "token refused: never issued by this fleet");
                 Err(LedgerError::TokenInvalid)
             }

@@ -36,7 +36,9 @@
 //!   Redis writes replayed when it is back;
 //! - `orders`: the token of an order event, consumed in the order's
 //!   transaction;
-//! - `result`: result and release (of a token or a client key);
+//! - `result`: result and release (of a token or a client key), a client's
+//!   and an operator's;
+//! - `read`: a token's state, read without changing anything;
 //! - `keys`: client-supplied keys (`/v1/keys`): the same protocol for a key
 //!   that belongs to (client, biz type) instead of a signed token.
 
@@ -47,11 +49,13 @@ mod degraded;
 mod issue;
 mod keys;
 mod orders;
+mod read;
 mod result;
 
 pub use crate::durable::keys::KeyState;
 pub use api::{
-    ConsumeAnswer, ConsumeInput, ConsumeOutcome, DuplicateStatus, Issued, LedgerError, ResultAnswer,
+    AnswerOutcome, ConsumeAnswer, ConsumeInput, ConsumeOutcome, DuplicateStatus, Issued,
+    LedgerError, ResultAnswer, TokenReading,
 };
 pub use core::Ledger;
 pub use keys::KeyInput;

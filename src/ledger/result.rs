@@ -1,4 +1,5 @@
-//! Result and release of a consumed token or client key: Redis decides for fast types
+//! Result and release of a consumed token or client key (a client's, or an
+//! operator's release of a token stuck in `processing`): Redis decides for fast types
 //! (the journal carries it to Postgres), Postgres for durable ones.
 //!
 //! Read your writes: a result recorded in Postgres is written to Redis
@@ -13,15 +14,15 @@ use std::time::Duration;
 
 use serde_json::Value as Json;
 
-use super::core::ms;
+use super::core::{ms, ms_to_time, Tally};
 use super::degraded::Resync;
 use super::{Ledger, LedgerError, ResultAnswer};
 use crate::auth::Client;
 use crate::config::Durability;
-use crate::domain::Subject;
+use crate::domain::{Reason, Subject};
 use crate::durable::timed;
 use crate::durable::tokens::{self, Existing, ReleaseRow, ResultDecided, TokenRecord, TokenState};
-use crate::fast::{FastError, FastWrite, Marker};
+use crate::fast::{Attempt, ConsumeMode, FastError, FastWrite, Marker, ScriptOutcome};
 use crate::journal;
 
 /// What a result or release acts on: a token, or a client key.
@@ -155,6 +156,7 @@ impl Ledger {
 
     // ---- release ----------------------------------------------------------
 
+    /// A client gives back a token it consumed: see [`Ledger::release_verified`].
     #[tracing::instrument(level = "debug", skip_all, fields(client = %caller.name))]
     pub async fn release(
         &self,
@@ -172,13 +174,123 @@ impl Ledger {
         self.release_of(&held).await
     }
 
+    /// An operator frees a token stuck in `processing` (its consumer died
+    /// before recording a result or releasing it): the rule of a client's
+    /// release, for any client's token, audited as `token.released` with
+    /// `{"by": "admin", "reason": ...}`. A refused token is not counted as
+    /// a consume attempt.
+    #[tracing::instrument(level = "debug", skip_all, fields(client = %caller.name))]
+    pub async fn release_by_admin(
+        &self,
+        caller: &Client,
+        text: &str,
+        reason: &Reason,
+    ) -> Result<(), LedgerError> {
+        let (token, settings) = self.authorize_unbound_as(caller, text, Tally::Quiet)?;
+        let (record, fields) = match settings.durability {
+            Durability::Fast => {
+                let record = self.recorded_owner(&token).await?;
+                let fields = journal::admin_release_fields_for(&record, reason.as_str());
+                (record, Some(fields))
+            }
+            // Postgres decides and knows the owner: the record's id is all
+            // the release needs.
+            Durability::Durable => (self.unowned_record(&token, settings.durability), None),
+        };
+        let held = Held {
+            handle: token.text.clone(),
+            record,
+            durability: settings.durability,
+            issued_until_ms: token.claims.expires_at_ms(),
+        };
+        let detail = serde_json::json!({"by": "admin", "reason": reason.as_str()});
+        self.release_held(&held, fields, Some(&detail)).await
+    }
+
+    /// A fast token's record for its release's journal entry, which needs
+    /// whom it was issued to: an operator does not say, and the token binds
+    /// them without naming them, so Postgres's issuance record does. Without
+    /// one, a token Redis holds consumed has its record still on its way
+    /// (503, retry); any other is not releasable.
+    async fn recorded_owner(&self, token: &VerifiedToken) -> Result<TokenRecord, LedgerError> {
+        let id = token.claims.id.as_i64();
+        let owner = timed(
+            &self.metrics,
+            "owner",
+            self.pools.bounded(tokens::owner(&self.pools.hot, id)),
+        )
+        .await
+        .map_err(LedgerError::postgres)?;
+        let Some((subject, client)) = owner else {
+            let attempt = Attempt {
+                owner: "",
+                request_id: None,
+                fingerprint: None,
+            };
+            let peek = self
+                .fast
+                .consume(&token.text, ConsumeMode::Peek, &attempt, 0, &[])
+                .await;
+            return Err(match peek {
+                Ok(ScriptOutcome::Consumed(_)) => LedgerError::Unavailable {
+                    what: "the token's record (not in postgres yet)",
+                    retry_after_secs: 1,
+                    source: None,
+                },
+                _ => LedgerError::NotReleasable,
+            });
+        };
+        let c = &token.claims;
+        Ok(TokenRecord {
+            id,
+            token: token.text.clone(),
+            biz_type: c.biz_type.to_string(),
+            durability: Durability::Fast,
+            subject,
+            client,
+            issued_at: ms_to_time(c.issued_at_ms()).unwrap_or_else(|| self.clock.now()),
+            expires_at: ms_to_time(c.expires_at_ms()).unwrap_or_else(|| self.clock.now()),
+        })
+    }
+
+
     /// Releases a token or key (see [`Held`]).
     pub(super) async fn release_of(&self, held: &Held) -> Result<(), LedgerError> {
+        self.release_held(held, None, None).await
+    }
+
+    /// A fast token's record for an operator's release without a subject
+    /// (the record's id is what a durable release uses).
+    fn unowned_record(&self, token: &VerifiedToken, durability: Durability) -> TokenRecord {
+        let c = &token.claims;
+        TokenRecord {
+            id: c.id.as_i64(),
+            token: token.text.clone(),
+            biz_type: c.biz_type.to_string(),
+            durability,
+            subject: String::new(),
+            client: String::new(),
+            issued_at: ms_to_time(c.issued_at_ms()).unwrap_or_else(|| self.clock.now()),
+            expires_at: ms_to_time(c.expires_at_ms()).unwrap_or_else(|| self.clock.now()),
+        }
+    }
+
+    /// Returns a consumed token or key with no result and no order event to
+    /// unconsumed. Fast types: Redis decides, and the journal entry (`fields`,
+    /// by default the release of the held record) carries the release to
+    /// Postgres; when Redis does not hold it, Postgres decides. Durable
+    /// types: Postgres decides. `detail` goes into the audit row.
+    async fn release_held(
+        &self,
+        held: &Held,
+        fields: Option<Vec<(&'static str, String)>>,
+        detail: Option<&Json>,
+    ) -> Result<(), LedgerError> {
         let id = held.record.id;
         let expires_at_ms = held.issued_until_ms;
         let remaining = expires_at_ms - self.clock.now_ms();
         if held.durability == Durability::Fast {
-            let fields = journal::release_fields_for(&held.record);
+            let fields = fields.unwrap_or_else(|| journal::release_fields_for(&held.record));
             match self
                 .fast
                 .fast_write(&held.handle, "release", remaining.to_string(), &fields)
@@ -217,7 +329,8 @@ impl Ledger {
         let row = timed(
             &self.metrics,
             "release",
-            self.pools.bounded(tokens::release(&self.pools.hot, id)),
+            self.pools
+                .bounded(tokens::release_with(&self.pools.hot, id, detail)),
         )
         .await
         .map_err(LedgerError::postgres)?;

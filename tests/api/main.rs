@@ -2,6 +2,7 @@
 //! Redis key prefix per test (see `helpers`).
 
 mod admin;
+mod admin_release;
 mod bad_input;
 mod cli;
 mod concurrency;
@@ -22,4 +23,5 @@ mod result_release;
 mod security;
 mod startup_checks;
 mod tls;
+mod token_state;
 mod versions;

@@ -187,6 +187,7 @@ fn decided(id: i64, rounds: &[bool], result_last: bool) -> Vec<Entry> {
                 gen,
                 state: consumed(None),
             },
+            detail: None,
         });
         let last = round + 1 == rounds.len();
         if last && result_last {
@@ -199,6 +200,7 @@ fn decided(id: i64, rounds: &[bool], result_last: bool) -> Vec<Entry> {
                     gen,
                     state: consumed(Some((json!({"round": round, "ok": true}), when))),
                 },
+                detail: None,
             });
         } else if release || !last {
             out.push(Entry {
@@ -209,6 +211,7 @@ fn decided(id: i64, rounds: &[bool], result_last: bool) -> Vec<Entry> {
                     gen: gen + 1,
                     state: Decided::Issued,
                 },
+                detail: None,
             });
         }
     }

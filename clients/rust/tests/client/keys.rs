@@ -202,7 +202,6 @@ async fn the_guard_over_keys_takes_its_three_paths() {
 }
 
 #[tokio::test]
-#[ignore = "needs the server's GET /v1/tokens/{token} and admin release"]
 async fn a_token_s_state_is_read_without_consuming_and_an_admin_frees_a_stuck_one() {
     let ledger = spawn_ledger().await;
     let client = ledger.client(PAYMENTS);
