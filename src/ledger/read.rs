@@ -99,8 +99,11 @@ impl Ledger {
                 consumed_at: None,
                 result: None,
             }),
-            // A provisional marker (not a fast type's), or no key.
+            // A provisional marker (not a fast type's), or no key; a key's
+            // answers never come from a token's peek.
             ScriptOutcome::Provisional(_)
+            | ScriptOutcome::Mismatch
+            | ScriptOutcome::Unbound
             | ScriptOutcome::Miss
             | ScriptOutcome::Won { .. }
             | ScriptOutcome::Claimed => None,

@@ -24,6 +24,7 @@ use crate::durable::timed;
 use crate::durable::tokens::{self, Existing, ReleaseRow, ResultDecided, TokenRecord, TokenState};
 use crate::fast::{Attempt, ConsumeMode, FastError, FastWrite, Marker, ScriptOutcome};
 use crate::journal;
+use crate::token::VerifiedToken;
 
 /// What a result or release acts on: a token, or a client key.
 pub(super) struct Held {
@@ -250,9 +251,9 @@ impl Ledger {
             client,
             issued_at: ms_to_time(c.issued_at_ms()).unwrap_or_else(|| self.clock.now()),
             expires_at: ms_to_time(c.expires_at_ms()).unwrap_or_else(|| self.clock.now()),
+            key: None,
         })
     }
-
 
     /// Releases a token or key (see [`Held`]).
     pub(super) async fn release_of(&self, held: &Held) -> Result<(), LedgerError> {
@@ -272,6 +273,7 @@ impl Ledger {
             client: String::new(),
             issued_at: ms_to_time(c.issued_at_ms()).unwrap_or_else(|| self.clock.now()),
             expires_at: ms_to_time(c.expires_at_ms()).unwrap_or_else(|| self.clock.now()),
+            key: None,
         }
     }
 
