@@ -1099,8 +1099,16 @@ key_prefix = "{prefix}"
     .await
     .unwrap();
     assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    // A read of the token's state logs no full token either.
     let r = http
-        .get(format!("{base}/v1/tokens/{t0}"))
+        .get(format!("{base}/v1/tokens/{t0}?subject={s0}"))
+        .bearer_auth(PAYMENTS)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let r = http
+        .get(format!("{base}/v1/tokens/{t0}/history"))
         .bearer_auth(ADMIN)
         .send()
         .await
