@@ -1,6 +1,5 @@
 //! Client-supplied keys (`/v1/keys/*`) against a spawned ledger, and the
-//! token routes the server does not have yet (`GET /v1/tokens/{token}`, the
-//! admin release), written against API.md and ignored until they land.
+//! token-state read (`GET /v1/tokens/{token}`) and the admin release.
 
 use idempotency_ledger_client::{
     Client, ConsumeOutcome, ConsumeRequest, Error, GuardError, Guarded, IssueRequest,
