@@ -207,7 +207,14 @@ async fn redis_killed_during_durable_load_keeps_exactly_once() {
     })
     .await;
     redis.kill();
-    let results = load.await.expect("load");
+    let mut results = load.await.expect("load");
+    // A second wave after the kill, so that the load meets the dead Redis
+    // however fast the first one finished.
+    let http = bounded_client();
+    for (i, (token, subject)) in tokens.iter().enumerate() {
+        let body = json!({"subject": subject, "request_id": format!("r{i}-late")});
+        results.push((i, try_consume(&http, &app.address, token, &body).await));
+    }
     // The load met the dead Redis (errors, then the breaker skipping it).
     assert!(
         metric(&app, "ledger_redis_bypass_total{reason=\"down\"}")

@@ -3,10 +3,12 @@
 //! its own temporary directory, killed when dropped. The shared Postgres and
 //! Redis are never stopped, paused or reconfigured.
 
+use std::collections::BTreeSet;
 use std::fs::File;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
@@ -14,11 +16,22 @@ use tempfile::TempDir;
 const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
 
 /// A port that is free now, and whose cluster bus port (+10000) is free too.
+/// Taken below Linux's ephemeral range (32768 and up), so that no outgoing
+/// connection of a test running beside this one can be given it by the
+/// kernel before its server binds it (a restart on the same port too), and
+/// never handed out twice by this process.
 pub fn free_port() -> u16 {
+    static GIVEN: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
     loop {
-        let port = 20_000 + rand::random::<u16>() % 35_000;
+        // 10000..22700: the bus port stays below 32700.
+        let port = 10_000 + rand::random::<u16>() % 12_700;
+        let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+        if given.contains(&port) {
+            continue;
+        }
         let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
         if free(port) && free(port + 10_000) {
+            given.insert(port);
             return port;
         }
     }
