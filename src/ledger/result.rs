@@ -260,8 +260,9 @@ impl Ledger {
         self.release_held(held, None, None).await
     }
 
-    /// A fast token's record for an operator's release without a subject
-    /// (the record's id is what a durable release uses).
+    /// A durable token's record for an operator's release, who names no
+    /// subject: Postgres decides by the id and knows the owner, so only the
+    /// id is used (no journal entry is written for a durable type).
     fn unowned_record(&self, token: &VerifiedToken, durability: Durability) -> TokenRecord {
         let c = &token.claims;
         TokenRecord {
