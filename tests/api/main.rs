@@ -15,6 +15,7 @@ mod helpers;
 mod idle_connections;
 mod issue;
 mod keys;
+mod link;
 mod metrics;
 mod orders;
 mod orders_model;

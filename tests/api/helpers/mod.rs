@@ -14,6 +14,7 @@ use reqwest::{Response, StatusCode};
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 
+pub mod link;
 pub mod procs;
 
 pub use procs::free_port;
