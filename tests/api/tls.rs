@@ -1,9 +1,11 @@
 //! TLS to both tiers, against private servers that speak only TLS: a
 //! Postgres with `ssl = on` and a `hostssl`-only `pg_hba.conf`, and a
-//! `redis-server --port 0 --tls-port`, both with certificates from a CA made
-//! here (rcgen). `verify-full` serves and consumes end to end; a certificate
-//! from another CA stops the start naming the setting; `verify-ca` checks the
-//! chain but not the name; plaintext is refused by the servers.
+//! `redis-server --port 0 --tls-port`, and a 3-master Redis Cluster with TLS
+//! only (`--tls-cluster`), all with certificates from a CA made here (rcgen).
+//! `verify-full` serves and consumes end to end, on the cluster too; a
+//! certificate from another CA stops the start naming the setting;
+//! `verify-ca` checks the chain but not the name; plaintext is refused by the
+//! servers.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -220,6 +222,134 @@ impl Drop for TlsRedis {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A private Redis Cluster of 3 masters that speaks only TLS, to clients
+/// and on its bus (`--tls-cluster`), each node with a certificate for
+/// `localhost` and `127.0.0.1` (the nodes announce themselves by IP, so the
+/// client verifies an IP SAN).
+struct TlsCluster {
+    ports: Vec<u16>,
+    ca: PathBuf,
+    children: Vec<Child>,
+    _dirs: Vec<TempDir>,
+}
+
+impl TlsCluster {
+    fn start(pki: &Pki) -> TlsCluster {
+        let mut c = TlsCluster {
+            ports: Vec::new(),
+            ca: pki.ca.clone(),
+            children: Vec::new(),
+            _dirs: Vec::new(),
+        };
+        for _ in 0..3 {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let (cert, key) = pki.server_cert(dir.path(), "node", &["localhost", "127.0.0.1"]);
+            let port = free_port();
+            let child = Command::new("redis-server")
+                .args(["--port", "0", "--tls-port", &port.to_string()])
+                .args(["--tls-cluster", "yes", "--tls-replication", "yes"])
+                .arg("--tls-cert-file")
+                .arg(&cert)
+                .arg("--tls-key-file")
+                .arg(&key)
+                .arg("--tls-ca-cert-file")
+                .arg(&pki.ca)
+                .args(["--tls-auth-clients", "no", "--bind", "127.0.0.1"])
+                .args([
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                ])
+                .args(["--cluster-node-timeout", "1000"])
+                .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+                .arg("--dir")
+                .arg(dir.path())
+                .arg("--logfile")
+                .arg(dir.path().join("redis.log"))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("redis-server starts");
+            c.ports.push(port);
+            c.children.push(child);
+            c._dirs.push(dir);
+        }
+        for &port in &c.ports {
+            c.wait(port, "PING", |out| out.contains("PONG"), &["ping"]);
+        }
+        let addrs: Vec<String> = c.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let out = c.cli_output(
+            Command::new("redis-cli")
+                .arg("--tls")
+                .arg("--cacert")
+                .arg(&c.ca)
+                .args(["--cluster", "create"])
+                .args(&addrs)
+                .args(["--cluster-replicas", "0", "--cluster-yes"]),
+        );
+        assert!(out.contains("All 16384 slots covered"), "{out}");
+        for &port in &c.ports {
+            c.wait(
+                port,
+                "cluster state ok",
+                |out| out.contains("cluster_state:ok") && out.contains("cluster_slots_ok:16384"),
+                &["cluster", "info"],
+            );
+        }
+        c
+    }
+
+    fn cli_output(&self, cmd: &mut Command) -> String {
+        let out = cmd.stdin(Stdio::null()).output().expect("redis-cli runs");
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+    }
+
+    /// `redis-cli --tls --cacert CA -p PORT args...`.
+    fn cli(&self, port: u16, args: &[&str]) -> String {
+        self.cli_output(
+            Command::new("redis-cli")
+                .arg("--tls")
+                .arg("--cacert")
+                .arg(&self.ca)
+                .arg("-p")
+                .arg(port.to_string())
+                .args(args),
+        )
+    }
+
+    fn wait(&self, port: u16, what: &str, ok: impl Fn(&str) -> bool, args: &[&str]) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !ok(&self.cli(port, args)) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "TLS cluster node {port}: {what} not reached in 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `redis.cluster_nodes` with `rediss://` seeds.
+    fn config_line(&self) -> String {
+        let nodes: Vec<String> = self
+            .ports
+            .iter()
+            .map(|p| format!("\"rediss://127.0.0.1:{p}\""))
+            .collect();
+        format!("redis.cluster_nodes = [{}]", nodes.join(", "))
+    }
+}
+
+impl Drop for TlsCluster {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }
 
@@ -513,4 +643,98 @@ async fn plaintext_is_refused_by_the_servers() {
     tls_ping(&redis.url(), std::fs::read(&pki.ca).expect("ca"))
         .await
         .expect("TLS PING");
+}
+
+/// `rediss://` cluster nodes verified against `redis.ca_file`: durable and
+/// fast tokens are issued and consumed exactly once through a cluster that
+/// speaks only TLS, the keys land on its masters, and the journal of fast
+/// consumes (its stream in its own slot) reaches Postgres. A CA that did not
+/// sign the nodes' certificates stops the start naming the settings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tls_only_cluster_serves_fast_and_durable_tokens_exactly_once() {
+    idempotency_ledger::tls::install_provider();
+    let pki = Pki::new();
+    let cluster = TlsCluster::start(&pki);
+    let on_cluster = |ca: &Path| {
+        Stores::fresh()
+            .redis("")
+            .with(&cluster.config_line())
+            .with(&format!("redis.ca_file = \"{}\"", ca.display()))
+    };
+    let stores = on_cluster(&pki.ca);
+    let app = spawn_app_on(stores.clone()).await;
+
+    const N: usize = 12;
+    for biz in ["order", "like"] {
+        let mut tokens = Vec::new();
+        for i in 0..N {
+            let subject = format!("u-{biz}-{i}");
+            tokens.push((app.issue(PAYMENTS, biz, &subject).await, subject));
+        }
+        for (token, subject) in &tokens {
+            let body = json!({"subject": subject});
+            let (status, _, first) = answer(app.consume(PAYMENTS, token, &body).await).await;
+            assert_eq!(
+                (status, first["outcome"].as_str()),
+                (StatusCode::OK, Some("consumed")),
+                "{biz}: {first}"
+            );
+            let (status, _, again) = answer(app.consume(PAYMENTS, token, &body).await).await;
+            assert_eq!(
+                (status, again["outcome"].as_str()),
+                (StatusCode::OK, Some("duplicate")),
+                "{biz}: {again}"
+            );
+        }
+        // The keys are in the TLS cluster, marked consumed.
+        for (token, _) in &tokens {
+            let key = app.token_key(token);
+            let state = cluster.cli(cluster.ports[0], &["-c", "hget", &key, "s"]);
+            assert_eq!(state.trim(), "c", "{biz}: {key}: {state}");
+        }
+    }
+    // Spread over the masters (24 tokens in random slots).
+    let holding = cluster
+        .ports
+        .iter()
+        .filter(|p| {
+            let pattern = format!("{}tok:*", stores.prefix);
+            !cluster
+                .cli(**p, &["--scan", "--pattern", &pattern])
+                .trim()
+                .is_empty()
+        })
+        .count();
+    assert!(holding >= 2, "token keys on {holding} of 3 masters");
+    // The fast consumes reach Postgres through the journal.
+    let pool = app.pg().await;
+    eventually(15, || {
+        let pool = pool.clone();
+        async move {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM tokens WHERE biz_type = 'like' AND state = 'consumed'",
+            )
+            .fetch_one(&pool)
+            .await
+            .ok()?;
+            (n == N as i64).then_some(())
+        }
+    })
+    .await;
+    pool.close().await;
+    app.stop().await;
+
+    // Another CA: the start stops, naming the settings.
+    let err = build(&on_cluster(&pki.other_ca), true)
+        .await
+        .err()
+        .expect("refused");
+    let text = format!("{err:#}");
+    assert!(
+        text.contains("redis.cluster_nodes")
+            && text.contains("TLS")
+            && text.contains("redis.ca_file")
+            && text.contains("other-ca.pem"),
+        "{text}"
+    );
 }
