@@ -4,10 +4,12 @@
 //! [`setup`] for database creation, migrations and start-up checks,
 //! [`admin`] for audit queries and stats, [`reconcile`] for reconciliation,
 //! [`bloom`] for the issued-token filter's channel and load, [`usage`] for
-//! the pools' use as metrics).
+//! the pools' use as metrics, [`batch`] for the group commit of durable
+//! consumes).
 //! Every hot statement touches one token or one order key.
 
 pub mod admin;
+pub mod batch;
 pub mod bloom;
 pub mod journal;
 pub mod keys;
@@ -44,6 +46,12 @@ pub enum DurableError {
     TimedOut(std::time::Duration),
     #[error("postgres")]
     Other(#[source] sqlx::Error),
+    /// The batched statement this call was part of ([`batch`]) failed as a
+    /// whole, with this error (shared by every item of the batch); `None`:
+    /// the batch was abandoned without an answer (the service stopping), so
+    /// its outcome is unknown.
+    #[error("the batched statement failed")]
+    Batch(#[source] Option<std::sync::Arc<DurableError>>),
 }
 
 impl From<sqlx::Error> for DurableError {
@@ -79,10 +87,11 @@ impl From<sqlx::Error> for DurableError {
 
 impl DurableError {
     pub fn is_unavailable(&self) -> bool {
-        matches!(
-            self,
-            DurableError::Unavailable(_) | DurableError::TimedOut(_)
-        )
+        match self {
+            DurableError::Unavailable(_) | DurableError::TimedOut(_) => true,
+            DurableError::Other(_) => false,
+            DurableError::Batch(cause) => cause.as_ref().is_none_or(|e| e.is_unavailable()),
+        }
     }
 }
 
@@ -264,12 +273,35 @@ pub async fn fetch_optional<'q, F>(
 where
     F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
 {
+    Ok(fetch_rows(pool, statement, 1).await?.pop())
+}
+
+/// [`fetch_optional`] for a statement whose every row counts (the batched
+/// consume of [`batch`]), with the same retry rule.
+pub async fn fetch_all<'q, F>(pool: &PgPool, statement: F) -> Result<Vec<PgRow>, sqlx::Error>
+where
+    F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
+{
+    fetch_rows(pool, statement, usize::MAX).await
+}
+
+/// The first `keep` rows of one statement, run again on another pooled
+/// connection when Postgres had ended the first one's session before it
+/// answered (see [`fetch_optional`]).
+async fn fetch_rows<'q, F>(
+    pool: &PgPool,
+    statement: F,
+    keep: usize,
+) -> Result<Vec<PgRow>, sqlx::Error>
+where
+    F: Fn() -> sqlx::query::Query<'q, Postgres, PgArguments>,
+{
     // Every pooled connection may have been terminated at once.
     let mut tries_left = pool.options().get_max_connections();
     loop {
         let mut conn = pool.acquire().await?;
         let mut answered = false;
-        let mut first = None;
+        let mut rows = Vec::new();
         let failed = {
             let mut replies = conn.fetch_many(statement());
             loop {
@@ -277,7 +309,9 @@ where
                     Ok(Some(reply)) => {
                         answered = true;
                         if let Either::Right(row) = reply {
-                            first.get_or_insert(row);
+                            if rows.len() < keep {
+                                rows.push(row);
+                            }
                         }
                     }
                     Ok(None) => break None,
@@ -286,7 +320,7 @@ where
             }
         };
         match failed {
-            None => return Ok(first),
+            None => return Ok(rows),
             Some(e) if !answered && tries_left > 0 && ended_before_reply(&e) => {
                 tries_left -= 1;
                 tracing::info!(error = %e, "postgres had ended this pooled connection's session: the statement runs on another");

@@ -11,8 +11,8 @@ use futures_util::future::BoxFuture;
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{
-    Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Counters of one biz type since the last flush.
@@ -56,6 +56,10 @@ pub struct Metrics {
     /// Answers by route pattern, method and status code.
     pub http_requests: IntCounterVec,
     pub journal_dead_letters: IntCounter,
+    /// Durable consumes decided by one statement (group commit).
+    pub pg_batch_size: Histogram,
+    /// Durable consumes waiting for the next batch.
+    pub pg_consume_queue: IntGauge,
     pending: Mutex<HashMap<String, StatCounts>>,
 }
 
@@ -195,6 +199,19 @@ impl Metrics {
             &["endpoint", "method", "status"],
         )
         .expect("valid metric");
+        let pg_batch_size = Histogram::with_opts(
+            HistogramOpts::new(
+                "ledger_pg_batch_size",
+                "Durable consumes decided by one Postgres statement (1: sent at once; more: collected while postgres.consume_batches_in_flight statements ran).",
+            )
+            .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0]),
+        )
+        .expect("valid metric");
+        let pg_consume_queue = IntGauge::new(
+            "ledger_pg_consume_queue",
+            "Durable consumes waiting for the next batch statement.",
+        )
+        .expect("valid metric");
         let build_info = IntGaugeVec::new(
             Opts::new("ledger_build_info", "1, labelled with the running version."),
             &["version"],
@@ -224,6 +241,8 @@ impl Metrics {
             Box::new(redis_bypass.clone()),
             Box::new(resync_depth.clone()),
             Box::new(journal_dead_letters.clone()),
+            Box::new(pg_batch_size.clone()),
+            Box::new(pg_consume_queue.clone()),
         ] {
             registry.register(c).expect("distinct metric names");
         }
@@ -267,6 +286,8 @@ impl Metrics {
             resync_depth,
             http_requests,
             journal_dead_letters,
+            pg_batch_size,
+            pg_consume_queue,
             pending: Mutex::new(HashMap::new()),
         }
     }

@@ -47,6 +47,8 @@ pub(super) struct RawPostgres {
     pub(super) idle_check_after: String,
     pub(super) idle_timeout: String,
     pub(super) max_lifetime: String,
+    pub(super) consume_batch_size: usize,
+    pub(super) consume_batches_in_flight: usize,
 }
 
 #[derive(Debug, Deserialize)]

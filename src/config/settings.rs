@@ -135,6 +135,12 @@ pub struct PostgresSettings {
     pub idle_timeout: Duration,
     /// The pool closes connections older than this once they are returned.
     pub max_lifetime: Duration,
+    /// The most durable consumes one statement decides (group commit, see
+    /// [`crate::durable::batch`]).
+    pub consume_batch_size: usize,
+    /// How many durable consume statements run at once; consumes arriving
+    /// while that many are in flight wait for the next batch.
+    pub consume_batches_in_flight: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -149,7 +149,21 @@ impl Raw {
             )?,
             idle_timeout: parse_duration("postgres.idle_timeout", &self.postgres.idle_timeout)?,
             max_lifetime: parse_duration("postgres.max_lifetime", &self.postgres.max_lifetime)?,
+            consume_batch_size: self.postgres.consume_batch_size,
+            consume_batches_in_flight: self.postgres.consume_batches_in_flight,
         };
+        if postgres.consume_batch_size == 0 || postgres.consume_batch_size > 10_000 {
+            return Err(invalid(
+                "postgres.consume_batch_size",
+                "must be between 1 and 10000",
+            ));
+        }
+        if postgres.consume_batches_in_flight == 0 {
+            return Err(invalid(
+                "postgres.consume_batches_in_flight",
+                "must be at least 1",
+            ));
+        }
         if postgres.idle_timeout.is_zero() || postgres.max_lifetime.is_zero() {
             return Err(invalid(
                 "postgres.idle_timeout",

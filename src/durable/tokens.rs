@@ -356,10 +356,14 @@ pub async fn release_with(
 /// (so the fleet's filters hear of exactly the records that committed).
 /// Idempotent: a token a consume already inserted keeps its row, and each
 /// token gets one `token.issued` event however often the batch is retried.
+/// The rows are written in id order, as a batch of consumes locks them
+/// (`super::batch`), so the two never deadlock.
 pub async fn insert_issued(pool: &PgPool, batch: &[TokenRecord]) -> Result<(), DurableError> {
     if batch.is_empty() {
         return Ok(());
     }
+    let mut batch: Vec<&TokenRecord> = batch.iter().collect();
+    batch.sort_by_key(|r| r.id);
     let mut ids = Vec::with_capacity(batch.len());
     let mut tokens = Vec::with_capacity(batch.len());
     let mut biz = Vec::with_capacity(batch.len());
@@ -368,7 +372,7 @@ pub async fn insert_issued(pool: &PgPool, batch: &[TokenRecord]) -> Result<(), D
     let mut clients = Vec::with_capacity(batch.len());
     let mut issued = Vec::with_capacity(batch.len());
     let mut expires = Vec::with_capacity(batch.len());
-    for r in batch {
+    for r in &batch {
         ids.push(r.id);
         tokens.push(r.token.as_str());
         biz.push(r.biz_type.as_str());

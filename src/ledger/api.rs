@@ -48,13 +48,14 @@ pub enum LedgerError {
 impl LedgerError {
     /// Postgres unreachable: 503; anything else: 500.
     pub fn postgres(e: DurableError) -> LedgerError {
-        match e {
-            DurableError::Unavailable(_) | DurableError::TimedOut(_) => LedgerError::Unavailable {
+        if e.is_unavailable() {
+            LedgerError::Unavailable {
                 what: "postgres",
                 retry_after_secs: 1,
                 source: Some(e.into()),
-            },
-            DurableError::Other(_) => LedgerError::Internal(e.into()),
+            }
+        } else {
+            LedgerError::Internal(e.into())
         }
     }
 }

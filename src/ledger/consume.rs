@@ -101,22 +101,33 @@ impl Ledger {
     /// The one Postgres statement of a consume that reaches Postgres
     /// (`tokens::consume_versioned`), timed and bounded like every
     /// payment-path call: the row and the generation the token is at.
+    /// A durable token's goes through the batcher (sent at once, or with
+    /// the others that arrive while statements are in flight).
     pub(super) async fn consume_in_postgres(
         &self,
         record: &TokenRecord,
         attempt: &Attempt<'_>,
     ) -> Result<(ConsumeRow, i64), DurableError> {
-        timed(
-            &self.metrics,
-            "consume",
-            self.pools.bounded(tokens::consume_versioned(
-                &self.pools.hot,
-                record,
-                attempt.fingerprint,
-                attempt.request_id,
-            )),
-        )
-        .await
+        let decided = async {
+            match record.durability {
+                Durability::Durable => {
+                    self.batcher
+                        .consume(record, attempt.fingerprint, attempt.request_id)
+                        .await
+                }
+                Durability::Fast => {
+                    self.pools
+                        .bounded(tokens::consume_versioned(
+                            &self.pools.hot,
+                            record,
+                            attempt.fingerprint,
+                            attempt.request_id,
+                        ))
+                        .await
+                }
+            }
+        };
+        timed(&self.metrics, "consume", decided).await
     }
 
     /// What a durable token's consumed marker may answer without Postgres.

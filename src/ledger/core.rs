@@ -14,6 +14,7 @@ use crate::auth::Client;
 use crate::bloom::{IssuedFilter, Verdict};
 use crate::config::{BizSettings, Durability, Settings};
 use crate::domain::{BizType, Subject};
+use crate::durable::batch::ConsumeBatcher;
 use crate::durable::tokens::TokenRecord;
 use crate::durable::Pools;
 use crate::fast::FastTier;
@@ -44,6 +45,8 @@ pub struct Ledger {
     pub(super) resync: Arc<ResyncQueue>,
     pub(super) fallback: Fallback,
     pub(super) bloom: Arc<IssuedFilter>,
+    /// Durable consumes go to Postgres through it (group commit).
+    pub(super) batcher: ConsumeBatcher,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -79,7 +82,9 @@ impl Ledger {
         writer: Writer,
     ) -> Ledger {
         let bloom = Arc::new(IssuedFilter::new(settings.bloom.clone(), metrics.clone()));
+        let batcher = ConsumeBatcher::new(pools.clone(), metrics.clone(), &settings.postgres);
         Ledger {
+            batcher,
             resync: Arc::new(ResyncQueue::new(metrics.resync_depth.clone())),
             fallback: Fallback::new(&settings.redis),
             limiters: IssueLimits::new(&settings),
