@@ -4,6 +4,7 @@
 mod admin;
 mod admin_release;
 mod bad_input;
+mod batching;
 mod cli;
 mod concurrency;
 mod consume;

@@ -1,0 +1,384 @@
+//! Group commit of durable consumes (`durable::batch`): many tokens consumed
+//! at once are decided in batches, each token exactly once, each item with
+//! its own answer; a row Postgres refuses fails only its own consume; one
+//! batch statement answers every item as the single statement would.
+
+use std::sync::Arc;
+
+use chrono::{Duration, Utc};
+use idempotency_ledger::config::Durability;
+use idempotency_ledger::durable::batch::{consume_batch, ConsumeItem};
+use idempotency_ledger::durable::tokens::{self, ConsumeRow, Existing, TokenRecord, TokenState};
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use tokio::sync::Barrier;
+
+use crate::helpers::*;
+use crate::metrics::sample;
+
+/// The histogram's count and the count of batches of at most `le` items.
+fn batch_sizes(text: &str, le: &str) -> (f64, f64) {
+    let count = sample(text, "ledger_pg_batch_size_count", &[]).expect("ledger_pg_batch_size");
+    let small = sample(text, "ledger_pg_batch_size_bucket", &[("le", le)]).expect("bucket");
+    (count, small)
+}
+
+/// 80 tokens, each consumed by 6 identical requests fired together, with
+/// one statement in flight at a time so that the consumes that arrive
+/// meanwhile are batched: per token exactly one `consumed`, the other copies
+/// replays (same request_id) or duplicates (plain bodies); the histogram
+/// shows batches of more than one. Then every copy retried with the
+/// winning request_id replays, and another request_id is a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_storm_of_identical_consumes_is_decided_in_batches_each_token_once() {
+    let app = Arc::new(
+        spawn_app_on(
+            Stores::fresh()
+                .with("postgres.consume_batches_in_flight = 1\npostgres.acquire_timeout = \"10s\""),
+        )
+        .await,
+    );
+    const TOKENS: usize = 80;
+    const COPIES: usize = 6;
+    let mut tokens = Vec::new();
+    for i in 0..TOKENS {
+        tokens.push(app.issue(PAYMENTS, "order", &format!("u-{i}")).await);
+    }
+    // Even tokens: copies with one request_id; odd: plain bodies.
+    let body = |i: usize| {
+        if i.is_multiple_of(2) {
+            json!({"subject": format!("u-{i}"), "request_id": format!("r-{i}"), "fingerprint": "sha256:f"})
+        } else {
+            json!({"subject": format!("u-{i}")})
+        }
+    };
+    let barrier = Arc::new(Barrier::new(TOKENS * COPIES));
+    let mut handles = Vec::new();
+    for (i, token) in tokens.iter().enumerate() {
+        for _ in 0..COPIES {
+            let (app, barrier, token, body) =
+                (app.clone(), barrier.clone(), token.clone(), body(i));
+            handles.push(tokio::spawn(async move {
+                barrier.wait().await;
+                let (s, replayed, b) = answer(app.consume(PAYMENTS, &token, &body).await).await;
+                (i, s, replayed, b)
+            }));
+        }
+    }
+    let mut won = vec![0usize; TOKENS];
+    for h in handles {
+        let (i, s, replayed, b) = h.await.unwrap();
+        assert_eq!(s, StatusCode::OK, "token {i}: {b}");
+        match (b["outcome"].as_str(), replayed) {
+            (Some("consumed"), false) => won[i] += 1,
+            (Some("consumed"), true) => assert_eq!(i % 2, 0, "a replay without a request_id: {b}"),
+            (Some("duplicate"), true) => {
+                assert_eq!(i % 2, 1, "the winner's copy as duplicate: {b}")
+            }
+            other => panic!("token {i}: unexpected {other:?}: {b}"),
+        }
+    }
+    assert!(won.iter().all(|&n| n == 1), "consumed per token: {won:?}");
+
+    let text = app.metrics_text().await;
+    let (count, singles) = batch_sizes(&text, "1");
+    assert!(
+        count > singles,
+        "no consume statement decided more than one item: {count} statements, {singles} of one"
+    );
+
+    // Retries of the winning attempts replay; another attempt is a duplicate.
+    let mut handles = Vec::new();
+    for (i, token) in tokens
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| i.is_multiple_of(2))
+    {
+        let (app, token) = (app.clone(), token.clone());
+        handles.push(tokio::spawn(async move {
+            let (s, replayed, b) = answer(app.consume(PAYMENTS, &token, &body(i)).await).await;
+            assert_eq!(s, StatusCode::OK, "{b}");
+            assert_eq!(b["outcome"], "consumed", "retry of token {i}: {b}");
+            assert!(replayed, "retry of token {i} not marked replayed");
+            let other = json!({"subject": format!("u-{i}"), "request_id": "another", "fingerprint": "sha256:f"});
+            let (s, _, b) = answer(app.consume(PAYMENTS, &token, &other).await).await;
+            assert_eq!(s, StatusCode::OK, "{b}");
+            assert_eq!(b["outcome"], "duplicate", "another attempt on token {i}: {b}");
+        }));
+    }
+    for h in handles {
+        h.await.unwrap();
+    }
+
+    let pg = app.pg().await;
+    let (rows, audits): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM tokens WHERE state = 'consumed' AND gen = 1),
+                (SELECT count(*) FROM audit_events WHERE kind = 'token.consumed')",
+    )
+    .fetch_one(&pg)
+    .await
+    .unwrap();
+    assert_eq!((rows, audits), (TOKENS as i64, TOKENS as i64));
+}
+
+/// A token whose consume Postgres refuses (a constraint the schema gained:
+/// no consume for subject `blocked`) sits in a batch with ten others: the
+/// batch statement fails as a whole, its items are decided one by one, and
+/// only the refused one fails (500); the others are consumed. Nothing of
+/// the refused token changed, and once the constraint is gone it consumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_row_postgres_refuses_fails_only_its_own_consume_in_a_batch() {
+    // Long bounds: the queue fills while the blocker waits on its lock.
+    let app = Arc::new(
+        spawn_app_on(Stores::fresh().with(
+            "postgres.consume_batches_in_flight = 1\npostgres.acquire_timeout = \"10s\"\npostgres.statement_timeout = \"20s\"",
+        ))
+        .await,
+    );
+    let pg = app.pg().await;
+    sqlx::query(
+        "ALTER TABLE tokens ADD CONSTRAINT test_blocked_subject
+             CHECK (state = 'issued' OR subject <> 'blocked') NOT VALID",
+    )
+    .execute(&pg)
+    .await
+    .unwrap();
+    let blocker = app.issue(PAYMENTS, "order", "u-blocker").await;
+    let victim = app.issue(PAYMENTS, "order", "blocked").await;
+    let mut others = Vec::new();
+    for i in 0..10 {
+        others.push(app.issue(PAYMENTS, "order", &format!("u-{i}")).await);
+    }
+    // The blocker's statement (the one in flight) waits on a row lock held
+    // here, so the eleven consumes after it queue for one batch.
+    eventually(10, || {
+        let (pg, blocker) = (pg.clone(), blocker.clone());
+        async move {
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM tokens WHERE token = $1")
+                .bind(&blocker)
+                .fetch_one(&pg)
+                .await
+                .ok()?;
+            (n == 1).then_some(())
+        }
+    })
+    .await;
+    let mut lock = pg.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM tokens WHERE token = $1 FOR UPDATE")
+        .bind(&blocker)
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let send = |token: String, subject: String| {
+        let app = app.clone();
+        tokio::spawn(async move {
+            answer(
+                app.consume(
+                    PAYMENTS,
+                    &token,
+                    &json!({"subject": subject, "request_id": "r-1"}),
+                )
+                .await,
+            )
+            .await
+        })
+    };
+    // Waits until the batcher's gauge or histogram count says `n`.
+    let wait_for = |name: &'static str, n: f64| {
+        let app = app.clone();
+        async move {
+            eventually(10, || {
+                let app = app.clone();
+                async move {
+                    let text = app.metrics_text().await;
+                    (sample(&text, name, &[]) == Some(n)).then_some(())
+                }
+            })
+            .await
+        }
+    };
+    let first = send(blocker.clone(), "u-blocker".into());
+    wait_for("ledger_pg_batch_size_count", 1.0).await;
+    let refused = send(victim.clone(), "blocked".into());
+    let rest: Vec<_> = others
+        .iter()
+        .enumerate()
+        .map(|(i, t)| send(t.clone(), format!("u-{i}")))
+        .collect();
+    wait_for("ledger_pg_consume_queue", 11.0).await;
+    lock.commit().await.unwrap();
+
+    let (s, _, b) = first.await.unwrap();
+    assert_eq!(
+        (s, b["outcome"].as_str()),
+        (StatusCode::OK, Some("consumed")),
+        "{b}"
+    );
+    for (i, h) in rest.into_iter().enumerate() {
+        let (s, replayed, b) = h.await.unwrap();
+        assert_eq!(s, StatusCode::OK, "token {i}: {b}");
+        assert_eq!(b["outcome"], "consumed", "token {i}: {b}");
+        assert!(!replayed);
+    }
+    let (s, _, b) = refused.await.unwrap();
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR, "{b}");
+
+    let text = app.metrics_text().await;
+    let (_, up_to_8) = batch_sizes(&text, "8");
+    let (_, up_to_16) = batch_sizes(&text, "16");
+    assert!(up_to_16 > up_to_8, "no batch of 9 to 16 items: {text}");
+
+    let state: String = sqlx::query_scalar("SELECT state::text FROM tokens WHERE token = $1")
+        .bind(&victim)
+        .fetch_one(&pg)
+        .await
+        .unwrap();
+    assert_eq!(state, "issued");
+    sqlx::query("ALTER TABLE tokens DROP CONSTRAINT test_blocked_subject")
+        .execute(&pg)
+        .await
+        .unwrap();
+    // The same attempt again (its request_id): Postgres decides it now.
+    let (s, _, b) = send(victim, "blocked".into()).await.unwrap();
+    assert_eq!(
+        (s, b["outcome"].as_str()),
+        (StatusCode::OK, Some("consumed")),
+        "{b}"
+    );
+}
+
+fn record(id: i64, expires_in: Duration) -> TokenRecord {
+    let now = Utc::now();
+    TokenRecord {
+        id,
+        token: format!("order_test_{id}"),
+        biz_type: "order".into(),
+        durability: Durability::Durable,
+        subject: format!("u-{id}"),
+        client: "payments".into(),
+        issued_at: now - Duration::seconds(10),
+        expires_at: now + expires_in,
+        key: None,
+    }
+}
+
+/// What a consume answer says, without Postgres's clock.
+fn shape(row: &(ConsumeRow, i64)) -> Value {
+    match &row.0 {
+        ConsumeRow::Won { .. } => json!(["won", row.1]),
+        ConsumeRow::Existing(Existing {
+            state,
+            fingerprint,
+            request_id,
+            gen,
+            ..
+        }) => json!([
+            "existing",
+            matches!(state, TokenState::Consumed),
+            fingerprint,
+            request_id,
+            gen,
+            row.1
+        ]),
+        ConsumeRow::Expired => json!(["expired", row.1]),
+    }
+}
+
+/// One batch statement over every case answers each item exactly as the
+/// single statement answers its twin: no row yet (won), issued (won, next
+/// generation), released once (won at generation 3), consumed (the winner's
+/// fingerprint and request_id), issued but past expiry, and no row past
+/// expiry; with one `token.consumed` audit row per win.
+#[tokio::test]
+async fn one_batch_statement_answers_each_item_as_the_single_statement_does() {
+    let app = spawn_app().await;
+    let pg = app.pg().await;
+    // Two twin sets of ids: 1xx decided by one batch, 2xx one by one.
+    let cases = |base: i64| {
+        vec![
+            (record(base + 1, Duration::hours(1)), None),
+            (record(base + 2, Duration::hours(1)), Some("issued")),
+            (record(base + 3, Duration::hours(1)), Some("released")),
+            (record(base + 4, Duration::hours(1)), Some("consumed")),
+            (record(base + 5, Duration::seconds(-5)), Some("expired")),
+            (record(base + 6, Duration::seconds(-5)), None),
+        ]
+    };
+    for base in [100, 200] {
+        for (rec, prior) in cases(base) {
+            let Some(prior) = prior else { continue };
+            tokens::insert_issued(&pg, std::slice::from_ref(&rec))
+                .await
+                .unwrap();
+            match prior {
+                "consumed" => {
+                    tokens::consume(&pg, &rec, Some("sha256:first"), Some("r-first"))
+                        .await
+                        .unwrap();
+                }
+                "released" => {
+                    tokens::consume(&pg, &rec, None, None).await.unwrap();
+                    tokens::release(&pg, rec.id).await.unwrap();
+                }
+                _ => {}
+            }
+        }
+    }
+    let item = |rec: TokenRecord| ConsumeItem {
+        record: rec,
+        fingerprint: Some("sha256:now".into()),
+        request_id: Some("r-now".into()),
+    };
+    let batch: Vec<ConsumeItem> = cases(100).into_iter().map(|(r, _)| item(r)).collect();
+    let refs: Vec<&ConsumeItem> = batch.iter().collect();
+    let batched = consume_batch(&pg, &refs).await.unwrap();
+    let mut single = Vec::new();
+    for it in cases(200).into_iter().map(|(r, _)| item(r)) {
+        single.push(
+            tokens::consume_versioned(
+                &pg,
+                &it.record,
+                it.fingerprint.as_deref(),
+                it.request_id.as_deref(),
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    let batched: Vec<Value> = batched.iter().map(shape).collect();
+    let single: Vec<Value> = single.iter().map(shape).collect();
+    assert_eq!(batched, single);
+    assert_eq!(
+        batched,
+        vec![
+            json!(["won", 1]),
+            json!(["won", 1]),
+            json!(["won", 3]),
+            json!(["existing", true, "sha256:first", "r-first", 1, 1]),
+            json!(["existing", false, null, null, 0, 0]),
+            json!(["expired", 0]),
+        ]
+    );
+    let audits: Vec<(i64, i64, Value)> = sqlx::query_as(
+        "SELECT token_id, gen, detail FROM audit_events
+          WHERE kind = 'token.consumed' AND token_id BETWEEN 100 AND 199 ORDER BY token_id, gen",
+    )
+    .fetch_all(&pg)
+    .await
+    .unwrap();
+    let now = json!({"fingerprint": "sha256:now", "request_id": "r-now"});
+    assert_eq!(
+        audits,
+        vec![
+            (101, 1, now.clone()),
+            (102, 1, now.clone()),
+            (103, 1, json!({})),
+            (103, 3, now.clone()),
+            (
+                104,
+                1,
+                json!({"fingerprint": "sha256:first", "request_id": "r-first"})
+            ),
+        ]
+    );
+}
