@@ -4,7 +4,12 @@
 
 use std::time::{Duration, Instant};
 
+use super::conn::Redirect;
 use super::{Conn, FastError, FastTier};
+
+/// Redirects followed per call: a resharding can answer `MOVED` (the slot
+/// has a new owner) and then `ASK` (the key is being migrated on from it).
+const MAX_REDIRECTS: usize = 3;
 
 /// One try of a call: how long it took, and its outcome (`None`: no answer
 /// within `redis.timeout`).
@@ -38,13 +43,18 @@ fn never_ran(e: &redis::RedisError) -> bool {
 }
 
 impl FastTier {
-    /// Runs one call with the tier's timeout, breaker and metrics.
+    /// Runs one call with the tier's timeout, breaker and metrics. On a
+    /// cluster, a `MOVED` or `ASK` reply is followed: `f` runs again, its
+    /// command going to the node the reply names (see [`Redirect`]). `f`
+    /// must send at most one command that changes anything (every caller
+    /// does), because a redirect proves only that the command it answered
+    /// did not run.
     pub(super) async fn call<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T, FastError>
     where
-        F: FnOnce(Conn) -> Fut,
+        F: Fn(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
     {
-        let sent = self.send(op, f).await?;
+        let sent = self.send(op, &f).await?;
         self.judge(sent)
     }
 
@@ -78,11 +88,42 @@ impl FastTier {
         }
     }
 
-    /// One try: a connection (or [`FastError::Down`]), then the call under
-    /// `redis.timeout`.
-    async fn send<T, F, Fut>(&self, op: &'static str, f: F) -> Result<Sent<T>, FastError>
+    /// [`FastTier::try_once`], and on a cluster again after each `MOVED` or
+    /// `ASK` reply (each try under `redis.timeout`), at most
+    /// [`MAX_REDIRECTS`] times.
+    async fn send<T, F, Fut>(&self, op: &'static str, f: &F) -> Result<Sent<T>, FastError>
     where
-        F: FnOnce(Conn) -> Fut,
+        F: Fn(Conn) -> Fut,
+        Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
+    {
+        let mut redirect = None;
+        let mut followed = 0;
+        loop {
+            let sent = self.try_once(op, f, redirect.take()).await?;
+            if let Some(Err(e)) = &sent.out {
+                if self.cluster && followed < MAX_REDIRECTS {
+                    if let Some(r) = Redirect::of(e) {
+                        tracing::debug!(error = %e, op, "redis cluster redirect: sent again to the node it names");
+                        followed += 1;
+                        redirect = Some(r);
+                        continue;
+                    }
+                }
+            }
+            return Ok(sent);
+        }
+    }
+
+    /// One try: a connection (or [`FastError::Down`]), then the call under
+    /// `redis.timeout` (after `redirect`, on the node it names).
+    async fn try_once<T, F, Fut>(
+        &self,
+        op: &'static str,
+        f: &F,
+        redirect: Option<Redirect>,
+    ) -> Result<Sent<T>, FastError>
+    where
+        F: Fn(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
     {
         let conn = match self.conn().await {
@@ -94,6 +135,10 @@ impl FastTier {
                     .inc();
                 return Err(e);
             }
+        };
+        let conn = match redirect {
+            Some(r) => conn.redirected(r),
+            None => conn,
         };
         let start = Instant::now();
         let out = tokio::time::timeout(self.settings.timeout, f(conn))

@@ -6,7 +6,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::{Cmd, IntoConnectionInfo, Pipeline, ProtocolVersion, RedisFuture, Value};
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo, Slot};
+use redis::{
+    Cmd, ErrorKind, IntoConnectionInfo, Pipeline, ProtocolVersion, RedisError, RedisFuture,
+    RedisResult, ServerErrorKind, Value,
+};
 
 use super::{FastError, FastTier};
 use crate::config::RedisTopology;
@@ -15,7 +20,131 @@ use crate::config::RedisTopology;
 #[derive(Clone)]
 pub(super) enum Conn {
     Single(ConnectionManager),
-    Cluster(redis::cluster_async::ClusterConnection),
+    Cluster(ClusterConnection),
+    /// The cluster connection for a call sent again after a redirect: its
+    /// commands in the redirect's slot go to the node the redirect named.
+    Redirected(ClusterConnection, Arc<Redirect>),
+}
+
+/// A `MOVED` or `ASK` reply of a cluster node: the command did not run
+/// there, and the reply names the node that serves its slot (`MOVED`: the
+/// slot's new owner; `ASK`: the node importing it, which runs the command
+/// only right after `ASKING`).
+///
+/// The cluster client follows redirects itself only within its retries,
+/// and those also resend a command whose connection dropped under it (it
+/// may have run): they stay off (`retries(0)`), and [`FastTier::call`]
+/// follows redirects with this instead.
+#[derive(Clone, Debug)]
+pub(super) struct Redirect {
+    slot: Slot,
+    host: String,
+    port: u16,
+    ask: bool,
+    /// The reply itself, answered again when the named node cannot be
+    /// reached through the client.
+    reply: RedisError,
+}
+
+impl Redirect {
+    /// The redirect `e` is, if it is one.
+    pub(super) fn of(e: &RedisError) -> Option<Redirect> {
+        let ask = match e.kind() {
+            ErrorKind::Server(ServerErrorKind::Ask) => true,
+            ErrorKind::Server(ServerErrorKind::Moved) => false,
+            _ => return None,
+        };
+        let (addr, slot) = e.redirect_node()?;
+        let (host, port) = addr.rsplit_once(':')?;
+        Some(Redirect {
+            slot: Slot::new(slot)?,
+            host: host.to_owned(),
+            port: port.parse().ok()?,
+            ask,
+            reply: e.clone(),
+        })
+    }
+
+    /// Whether `cmd`'s key is in the redirect's slot.
+    fn covers(&self, cmd: &Cmd) -> bool {
+        command_key(cmd).is_some_and(|k| Slot::for_key(k) == self.slot)
+    }
+
+    /// `cmd` to the named node (`ASK`: as `ASKING` then `cmd`, one write on
+    /// one connection). When the client holds no connection to that node
+    /// (one that served no slot when the map was read), nothing is sent
+    /// there: after `MOVED` the command goes by the slot map, which the
+    /// client reads again on every `MOVED`; after `ASK` the call fails with
+    /// the redirect.
+    async fn send(&self, c: &mut ClusterConnection, cmd: &Cmd) -> RedisResult<Value> {
+        let to = SingleNodeRoutingInfo::ByAddress {
+            host: self.host.clone(),
+            port: self.port,
+        };
+        let sent = if self.ask {
+            let mut p = redis::pipe();
+            p.cmd("ASKING").add_command(cmd.clone());
+            c.route_pipeline(p, 1, 1, to).await.and_then(|mut v| {
+                v.pop()
+                    .ok_or_else(|| RedisError::from((ErrorKind::Client, "no reply after ASKING")))
+            })
+        } else {
+            c.route_command(cmd.clone(), RoutingInfo::SingleNode(to))
+                .await
+        };
+        match sent {
+            Err(e) if e.kind() == ErrorKind::ClusterConnectionNotFound => {
+                if self.ask {
+                    Err(self.reply.clone())
+                } else {
+                    c.req_packed_command(cmd).await
+                }
+            }
+            other => other,
+        }
+    }
+}
+
+/// The key a command of this service is routed by (the cluster client's
+/// own router is private): the first key of a script, the stream of
+/// `XREADGROUP` and `XGROUP`, none for the commands without one, else the
+/// first argument.
+fn command_key(cmd: &Cmd) -> Option<&[u8]> {
+    let args: Vec<&[u8]> = cmd
+        .args_iter()
+        .map(|a| match a {
+            redis::Arg::Simple(a) => a,
+            _ => &b""[..],
+        })
+        .collect();
+    let name = args.first()?.to_ascii_uppercase();
+    match name.as_slice() {
+        b"EVAL" | b"EVALSHA" | b"EVAL_RO" | b"EVALSHA_RO" | b"FCALL" | b"FCALL_RO" => {
+            let keys: usize = std::str::from_utf8(args.get(2)?).ok()?.parse().ok()?;
+            (keys > 0).then(|| args.get(3).copied()).flatten()
+        }
+        b"XREADGROUP" | b"XREAD" => {
+            let at = args
+                .iter()
+                .position(|a| a.eq_ignore_ascii_case(b"STREAMS"))?;
+            args.get(at + 1).copied()
+        }
+        b"XGROUP" | b"XINFO" => args.get(2).copied(),
+        b"PING" | b"TIME" | b"ECHO" | b"CLUSTER" | b"CONFIG" | b"SCRIPT" | b"FUNCTION"
+        | b"SCAN" | b"INFO" | b"ASKING" | b"READONLY" => None,
+        _ => args.get(1).copied(),
+    }
+}
+
+impl Conn {
+    /// This connection for a call sent again after `redirect` (a cluster
+    /// connection only; a standalone Redis never redirects).
+    pub(super) fn redirected(self, redirect: Redirect) -> Conn {
+        match self {
+            Conn::Cluster(c) | Conn::Redirected(c, _) => Conn::Redirected(c, Arc::new(redirect)),
+            single => single,
+        }
+    }
 }
 
 impl ConnectionLike for Conn {
@@ -23,8 +152,18 @@ impl ConnectionLike for Conn {
         match self {
             Conn::Single(c) => c.req_packed_command(cmd),
             Conn::Cluster(c) => c.req_packed_command(cmd),
+            Conn::Redirected(c, r) => {
+                if r.covers(cmd) {
+                    let r = r.clone();
+                    Box::pin(async move { r.send(c, cmd).await })
+                } else {
+                    c.req_packed_command(cmd)
+                }
+            }
         }
     }
+    /// Pipelines are never redirected: a redirect proves only that the
+    /// command it answered did not run, not the others of the pipeline.
     fn req_packed_commands<'a>(
         &'a mut self,
         cmd: &'a Pipeline,
@@ -33,13 +172,13 @@ impl ConnectionLike for Conn {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             Conn::Single(c) => c.req_packed_commands(cmd, offset, count),
-            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+            Conn::Cluster(c) | Conn::Redirected(c, _) => c.req_packed_commands(cmd, offset, count),
         }
     }
     fn get_db(&self) -> i64 {
         match self {
             Conn::Single(c) => c.get_db(),
-            Conn::Cluster(c) => c.get_db(),
+            Conn::Cluster(c) | Conn::Redirected(c, _) => c.get_db(),
         }
     }
 }
@@ -258,6 +397,77 @@ impl FastTier {
     pub(super) fn reconnect_cluster(&self) {
         if self.cluster {
             *self.conns.write().unwrap_or_else(|p| p.into_inner()) = None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_key_of_each_command_kind() {
+        let key = |c: &Cmd| command_key(c).map(|k| String::from_utf8_lossy(k).into_owned());
+        let mut evalsha = redis::cmd("EVALSHA");
+        evalsha.arg("abc").arg(1).arg("p:tok:{t}").arg("x");
+        assert_eq!(key(&evalsha).as_deref(), Some("p:tok:{t}"));
+        let mut keyless = redis::cmd("EVAL");
+        keyless.arg("return 1").arg(0).arg("x");
+        assert_eq!(key(&keyless), None);
+        let mut read = redis::cmd("XREADGROUP");
+        read.arg("GROUP").arg("g").arg("c").arg("COUNT").arg(5);
+        read.arg("STREAMS").arg("p:journal").arg(">");
+        assert_eq!(key(&read).as_deref(), Some("p:journal"));
+        let mut group = redis::cmd("XGROUP");
+        group.arg("CREATE").arg("p:journal").arg("g").arg("0");
+        assert_eq!(key(&group).as_deref(), Some("p:journal"));
+        let mut hget = redis::cmd("HGET");
+        hget.arg("p:tok:{t}").arg("s");
+        assert_eq!(key(&hget).as_deref(), Some("p:tok:{t}"));
+        for c in ["PING", "TIME"] {
+            assert_eq!(key(&redis::cmd(c)), None, "{c}");
+        }
+        let mut slots = redis::cmd("CLUSTER");
+        slots.arg("SLOTS");
+        assert_eq!(key(&slots), None);
+    }
+
+    #[test]
+    fn moved_and_ask_replies_are_redirects_that_cover_their_slot() {
+        let key = "p:tok:{abc}";
+        let slot = redis::cluster_routing::Slot::for_key(key);
+        let n = (0..16384u16)
+            .find(|n| Slot::new(*n) == Some(slot))
+            .expect("a slot");
+        let reply = |kind: ServerErrorKind, detail: String| {
+            RedisError::from((ErrorKind::Server(kind), "redirect", detail))
+        };
+        let mut hget = redis::cmd("HGET");
+        hget.arg(key).arg("s");
+        let mut other = redis::cmd("HGET");
+        other.arg("p:tok:{another}").arg("s");
+
+        let moved = Redirect::of(&reply(ServerErrorKind::Moved, format!("{n} 10.0.0.7:6380")))
+            .expect("MOVED is a redirect");
+        assert_eq!(
+            (moved.host.as_str(), moved.port, moved.ask),
+            ("10.0.0.7", 6380, false)
+        );
+        assert!(moved.covers(&hget));
+        assert!(!moved.covers(&other));
+        assert!(!moved.covers(&redis::cmd("TIME")));
+        let ask = Redirect::of(&reply(ServerErrorKind::Ask, format!("{n} 10.0.0.8:6381")))
+            .expect("ASK is a redirect");
+        assert_eq!(
+            (ask.host.as_str(), ask.port, ask.ask),
+            ("10.0.0.8", 6381, true)
+        );
+        for not in [
+            reply(ServerErrorKind::TryAgain, String::new()),
+            reply(ServerErrorKind::ClusterDown, String::new()),
+            RedisError::from((ErrorKind::Io, "io")),
+        ] {
+            assert!(Redirect::of(&not).is_none(), "{not}");
         }
     }
 }

@@ -80,7 +80,7 @@ impl FastTier {
 
     /// Appends one entry to the journal stream (cluster mode, or repairs).
     pub async fn append_journal(&self, fields: &[(&str, String)]) -> Result<(), FastError> {
-        let key = self.journal_key();
+        let key = &self.journal_key();
         self.call("journal", |mut c| async move {
             let mut cmd = redis::cmd("XADD");
             cmd.arg(key).arg("*");
@@ -149,7 +149,7 @@ impl FastTier {
     /// stream, with its stream id (`src`) and why (`reason`), and counts it.
     /// The stream keeps the newest 100,000 (approximately).
     pub async fn dead_letter(&self, entry: &JournalEntry, reason: &str) -> Result<(), FastError> {
-        let key = self.journal_dead_key();
+        let key = &self.journal_dead_key();
         let mut cmd = redis::cmd("XADD");
         cmd.arg(key)
             .arg("MAXLEN")
@@ -165,6 +165,7 @@ impl FastTier {
         for (k, v) in fields {
             cmd.arg(k).arg(v.as_slice());
         }
+        let cmd = &cmd;
         self.call("dead_letter", |mut c| async move {
             cmd.query_async::<Value>(&mut c).await.map(|_| ())
         })
@@ -175,7 +176,7 @@ impl FastTier {
 
     /// Entries in the dead-letter stream.
     pub async fn dead_letters(&self) -> Result<u64, FastError> {
-        let key = self.journal_dead_key();
+        let key = &self.journal_dead_key();
         self.call("xlen", |mut c| async move {
             redis::cmd("XLEN").arg(key).query_async::<u64>(&mut c).await
         })
@@ -185,7 +186,7 @@ impl FastTier {
     /// Entries in the journal stream (not yet drained into Postgres, or
     /// drained but not yet deleted).
     pub async fn journal_len(&self) -> Result<u64, FastError> {
-        let key = self.journal_key();
+        let key = &self.journal_key();
         self.call("xlen", |mut c| async move {
             redis::cmd("XLEN").arg(key).query_async::<u64>(&mut c).await
         })
@@ -194,7 +195,7 @@ impl FastTier {
 
     /// Creates the consumer group (and the stream) unless it exists.
     pub async fn journal_group_create(&self) -> Result<(), FastError> {
-        let key = self.journal_key();
+        let key = &self.journal_key();
         let created = self
             .call("xgroup", |mut c| async move {
                 redis::cmd("XGROUP")
@@ -221,7 +222,7 @@ impl FastTier {
         idle_ms: u64,
         count: usize,
     ) -> Result<Vec<JournalEntry>, FastError> {
-        let key = self.journal_key();
+        let key = &self.journal_key();
         let claimed: StreamAutoClaimReply = self
             .call("xautoclaim", |mut c| async move {
                 redis::cmd("XAUTOCLAIM")
@@ -250,7 +251,7 @@ impl FastTier {
         from: ReadFrom,
         count: usize,
     ) -> Result<Vec<JournalEntry>, FastError> {
-        let key = self.journal_key();
+        let key = &self.journal_key();
         let start = match from {
             ReadFrom::OwnPending => "0",
             ReadFrom::New => ">",
@@ -281,11 +282,11 @@ impl FastTier {
     /// Acknowledges and deletes entries Postgres now has (or that were set
     /// aside).
     pub async fn journal_ack(&self, ids: &[String]) -> Result<(), FastError> {
-        let key = self.journal_key();
+        let key = &self.journal_key();
         self.call("xack", |mut c| async move {
             let mut p = redis::pipe();
-            p.cmd("XACK").arg(&key).arg(GROUP).arg(ids).ignore();
-            p.cmd("XDEL").arg(&key).arg(ids).ignore();
+            p.cmd("XACK").arg(key).arg(GROUP).arg(ids).ignore();
+            p.cmd("XDEL").arg(key).arg(ids).ignore();
             p.query_async::<()>(&mut c).await
         })
         .await

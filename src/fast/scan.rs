@@ -140,7 +140,7 @@ impl FastTier {
             .arg(&pattern)
             .arg("COUNT")
             .arg(count);
-        let target = node.0.clone();
+        let (target, cmd) = (&node.0, &cmd);
         let (next, keys): (u64, Vec<String>) = self
             .call("scan", |mut c| async move {
                 match (&mut c, target) {
@@ -148,10 +148,10 @@ impl FastTier {
                         use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
                         let v = cc
                             .route_command(
-                                cmd,
+                                cmd.clone(),
                                 RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
-                                    host,
-                                    port,
+                                    host: host.clone(),
+                                    port: *port,
                                 }),
                             )
                             .await?;
@@ -178,7 +178,7 @@ impl FastTier {
     /// slots, the `HMGET`s go out concurrently on the cluster connection,
     /// each to its key's node.
     pub async fn key_states(&self, tokens: &[String]) -> Result<(i64, Vec<KeyRead>), FastError> {
-        let keys: Vec<String> = tokens.iter().map(|t| self.token_key(t)).collect();
+        let keys: &Vec<String> = &tokens.iter().map(|t| self.token_key(t)).collect();
         let cluster = self.cluster;
         let (time, rows): ((i64, i64), Vec<StateFields>) = self
             .call("key_states", |mut c| async move {
@@ -204,7 +204,7 @@ impl FastTier {
                 }
                 let mut p = redis::pipe();
                 p.cmd("TIME");
-                for k in &keys {
+                for k in keys {
                     p.cmd("HMGET").arg(k).arg("s").arg("d").arg("g");
                 }
                 let mut values: Vec<Value> = p.query_async(&mut c).await?;
@@ -244,7 +244,7 @@ impl FastTier {
     /// `false` when a key exists (never overwrites: a consume may have claimed
     /// it meanwhile).
     pub async fn reseed(&self, token: &str, ttl_ms: i64, gen: i64) -> Result<bool, FastError> {
-        let key = self.token_key(token);
+        let key = &self.token_key(token);
         let script = &self.scripts.issue;
         self.call("reseed", |mut c| async move {
             script
@@ -316,12 +316,13 @@ impl FastTier {
         op: &'static str,
         r: Repair<'_>,
     ) -> Result<bool, FastError> {
-        let key = self.token_key(token);
+        let key = &self.token_key(token);
         let script = &self.scripts.reconcile;
-        let m = r.consumed.cloned().unwrap_or_default();
+        let m = &r.consumed.cloned().unwrap_or_default();
         let is_consumed = r.consumed.is_some();
         let consumed_ttl = self.consumed_ttl_ms();
-        let seen = r.seen_gen.map(|g| g.to_string()).unwrap_or_default();
+        let seen = &r.seen_gen.map(|g| g.to_string()).unwrap_or_default();
+        let r = &r;
         self.call("reconcile", |mut c| async move {
             script
                 .key(key)

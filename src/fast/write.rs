@@ -26,7 +26,7 @@ impl FastTier {
 
     /// Seeds a freshly issued token with a relative TTL.
     pub async fn seed(&self, token: &str, ttl_ms: i64) -> Result<(), FastError> {
-        let key = self.token_key(token);
+        let key = &self.token_key(token);
         let script = &self.scripts.issue;
         self.call("issue", |mut c| async move {
             script
@@ -103,7 +103,7 @@ impl FastTier {
 
     /// Deletes a token's key (before a durable release, so Postgres decides).
     pub async fn forget(&self, token: &str) -> Result<(), FastError> {
-        let key = self.token_key(token);
+        let key = &self.token_key(token);
         self.call("forget", |mut c| async move {
             redis::cmd("DEL")
                 .arg(key)
@@ -122,8 +122,7 @@ impl FastTier {
         arg: String,
         journal: &[(&'static str, String)],
     ) -> Result<FastWrite, FastError> {
-        let key = self.token_key(token);
-        let journal_key = self.journal_key();
+        let (key, journal_key, arg) = (&self.token_key(token), &self.journal_key(), &arg);
         let script = &self.scripts.fast_write;
         let append = self.journal_in_script() && !journal.is_empty();
         let reply: Vec<String> = self

@@ -21,6 +21,7 @@ mod metrics;
 mod orders;
 mod orders_model;
 mod reconcile;
+mod redirects;
 mod result_release;
 mod security;
 mod startup_checks;

@@ -1,0 +1,200 @@
+//! Redirects that the service's slot map did not see coming, on a private
+//! plain Redis Cluster: a token's slot handed to another master (the old
+//! owner answers `MOVED`), and a slot being migrated with the token's key
+//! already on the target (the old owner answers `ASK`). A redirect proves the
+//! command did not run, so the service follows it (to the named node, after
+//! `ASKING` for an `ASK`): the consume answers 200 once and `duplicate`
+//! after, never 503.
+
+use reqwest::StatusCode;
+use serde_json::json;
+
+use crate::helpers::procs::{redis_cli, Cluster};
+use crate::helpers::*;
+
+/// A master of the cluster, from `CLUSTER NODES`.
+#[derive(Debug, Clone)]
+struct Master {
+    id: String,
+    port: u16,
+    /// The slot ranges it serves (migration markers left out).
+    slots: Vec<(u16, u16)>,
+}
+
+fn masters(cluster: &Cluster) -> Vec<Master> {
+    let out = redis_cli(cluster.nodes[0].port, &["cluster", "nodes"]);
+    let mut masters = Vec::new();
+    for line in out.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 8 || !f[2].contains("master") || f[2].contains("fail") {
+            continue;
+        }
+        let port = f[1]
+            .split('@')
+            .next()
+            .and_then(|a| a.rsplit(':').next())
+            .and_then(|p| p.parse().ok())
+            .expect("a node address");
+        let slots = f[8..]
+            .iter()
+            .filter(|s| !s.starts_with('['))
+            .map(|s| match s.split_once('-') {
+                Some((a, b)) => (a.parse().expect("slot"), b.parse().expect("slot")),
+                None => (s.parse().expect("slot"), s.parse().expect("slot")),
+            })
+            .collect();
+        masters.push(Master {
+            id: f[0].to_owned(),
+            port,
+            slots,
+        });
+    }
+    assert_eq!(masters.len(), 3, "{out}");
+    masters
+}
+
+fn ok(out: String, what: &str) {
+    assert_eq!(out.trim(), "OK", "{what}: {out}");
+}
+
+/// Moves the slot of `key` (and its keys) from its master to another one,
+/// as `redis-cli --cluster reshard` does: IMPORTING on the target, MIGRATING
+/// on the source, `MIGRATE` of the keys. With `finish`, every master is then
+/// told the target owns the slot (the source answers `MOVED`); without, the
+/// slot stays migrating (the source answers `ASK` for the moved keys).
+/// Returns the slot, the source and the target.
+fn move_slot(cluster: &Cluster, key: &str, finish: bool) -> (String, Master, Master) {
+    let slot = redis_cli(cluster.nodes[0].port, &["cluster", "keyslot", key])
+        .trim()
+        .to_owned();
+    let n: u16 = slot.parse().expect("a slot");
+    let all = masters(cluster);
+    let src = all
+        .iter()
+        .find(|m| m.slots.iter().any(|(a, b)| (*a..=*b).contains(&n)))
+        .expect("an owner")
+        .clone();
+    let dst = all
+        .iter()
+        .find(|m| m.id != src.id)
+        .expect("another")
+        .clone();
+    ok(
+        redis_cli(
+            dst.port,
+            &["cluster", "setslot", &slot, "importing", &src.id],
+        ),
+        "importing",
+    );
+    ok(
+        redis_cli(
+            src.port,
+            &["cluster", "setslot", &slot, "migrating", &dst.id],
+        ),
+        "migrating",
+    );
+    let keys = redis_cli(src.port, &["cluster", "getkeysinslot", &slot, "1000"]);
+    let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+    assert!(keys.contains(&key), "{key} in slot {slot}: {keys:?}");
+    let dst_port = dst.port.to_string();
+    let mut migrate = vec!["migrate", "127.0.0.1", &dst_port, "", "0", "5000", "KEYS"];
+    migrate.extend(keys.iter().copied());
+    ok(redis_cli(src.port, &migrate), "migrate");
+    if finish {
+        finish_move(&all, &slot, &src, &dst);
+    }
+    (slot, src, dst)
+}
+
+/// `CLUSTER SETSLOT slot NODE target` on the target, the source, then the
+/// others.
+fn finish_move(all: &[Master], slot: &str, src: &Master, dst: &Master) {
+    let mut order = vec![dst.clone(), src.clone()];
+    order.extend(
+        all.iter()
+            .filter(|m| m.id != src.id && m.id != dst.id)
+            .cloned(),
+    );
+    for m in order {
+        ok(
+            redis_cli(m.port, &["cluster", "setslot", slot, "node", &dst.id]),
+            "setslot node",
+        );
+    }
+}
+
+async fn consume_twice(app: &TestApp, token: &str, subject: &str, case: &str) {
+    let body = json!({"subject": subject});
+    let (status, _, first) = answer(app.consume(PAYMENTS, token, &body).await).await;
+    assert_eq!(
+        (status, first["outcome"].as_str()),
+        (StatusCode::OK, Some("consumed")),
+        "{case}: {first}"
+    );
+    let (status, _, again) = answer(app.consume(PAYMENTS, token, &body).await).await;
+    assert_eq!(
+        (status, again["outcome"].as_str()),
+        (StatusCode::OK, Some("duplicate")),
+        "{case}: {again}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn moved_and_ask_during_a_resharding_are_followed_and_consume_once() {
+    let cluster = Cluster::start();
+    let stores = Stores::fresh().redis("").with(&cluster.config_line());
+    let app = spawn_app_on(stores.clone()).await;
+    // The connection made and the slot map read.
+    let warm = app.issue(PAYMENTS, "like", "warm").await;
+    consume_twice(&app, &warm, "warm", "before any move").await;
+
+    for biz in ["like", "order"] {
+        // MOVED: the slot is another master's now; the service's map says
+        // the old one.
+        let subject = format!("moved-{biz}");
+        let token = app.issue(PAYMENTS, biz, &subject).await;
+        let key = app.token_key(&token);
+        let (_, _, dst) = move_slot(&cluster, &key, true);
+        consume_twice(&app, &token, &subject, &format!("{biz} after MOVED")).await;
+        let state = redis_cli(dst.port, &["hget", &key, "s"]);
+        assert_eq!(state.trim(), "c", "{biz}: the key on its new master");
+
+        // ASK: the key is on the target already, the slot still migrating
+        // (the map is never refreshed by an ASK).
+        let subject = format!("ask-{biz}");
+        let token = app.issue(PAYMENTS, biz, &subject).await;
+        let key = app.token_key(&token);
+        let (slot, src, dst) = move_slot(&cluster, &key, false);
+        consume_twice(&app, &token, &subject, &format!("{biz} during ASK")).await;
+        // The migration finished: the key consumed on its new master, and
+        // still consumed once.
+        finish_move(&masters(&cluster), &slot, &src, &dst);
+        let state = redis_cli(dst.port, &["hget", &key, "s"]);
+        assert_eq!(state.trim(), "c", "{biz}: the key on the importing master");
+        let body = json!({"subject": subject});
+        let (status, _, again) = answer(app.consume(PAYMENTS, &token, &body).await).await;
+        assert_eq!(
+            (status, again["outcome"].as_str()),
+            (StatusCode::OK, Some("duplicate")),
+            "{biz} after the migration: {again}"
+        );
+    }
+
+    // The fast consumes reach Postgres, once each.
+    let pool = app.pg().await;
+    eventually(15, || {
+        let pool = pool.clone();
+        async move {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM tokens WHERE biz_type = 'like' AND state = 'consumed'",
+            )
+            .fetch_one(&pool)
+            .await
+            .ok()?;
+            (n == 3).then_some(())
+        }
+    })
+    .await;
+    pool.close().await;
+    app.stop().await;
+}
