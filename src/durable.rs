@@ -11,6 +11,7 @@
 pub mod admin;
 pub mod batch;
 pub mod bloom;
+pub mod fleet;
 pub mod journal;
 pub mod keys;
 pub mod lease;

@@ -1,12 +1,16 @@
-//! Redis health and the service's mode. The breaker (open after a connection
-//! error or a timeout, for `redis.down_backoff`), a window of recent Redis
-//! call latencies, and the mode they make: `redis_down` while the breaker is
-//! open, `degraded` while the p99 over `redis.slow_window` is above
-//! `redis.slow_threshold`, else `normal`. Every mode change is logged once and
-//! exported as `ledger_mode{mode}`.
+//! Redis health as this instance sees it, and the service's mode. Redis is
+//! *down* only on evidence: `redis.down_after_failures` consecutive calls
+//! that could not reach it (refused, reset), or calls failing (timeouts
+//! too) with no success for `redis.down_after`; one timeout is slowness,
+//! not death. While down, calls are skipped at no cost (the breaker) and a
+//! probe every `redis.down_backoff` closes it again. A window of recent call
+//! latencies makes the rest of the mode: `degraded` while the p99 over
+//! `redis.slow_window` is above `redis.slow_threshold`, else `normal`. Every
+//! mode change is logged once and exported as `ledger_mode{mode}`; whether
+//! the fleet agrees is [`crate::fleet`]'s.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -45,6 +49,16 @@ impl Mode {
     }
 }
 
+/// What kind of failure a failed call was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The call did not reach Redis, or its connection broke: counts toward
+    /// `redis.down_after_failures`.
+    Unreached,
+    /// No answer in time: slowness; counts only toward `redis.down_after`.
+    TimedOut,
+}
+
 /// At most this many latency samples are kept (the oldest go first).
 const MAX_SAMPLES: usize = 8192;
 
@@ -57,8 +71,18 @@ pub struct Health {
     samples: Mutex<VecDeque<(Instant, Duration)>>,
     /// The p99 was above the threshold at the last evaluation.
     slow: AtomicBool,
-    /// The breaker is open (the last call or probe failed to connect).
+    /// The breaker is open: the evidence said down, and no call or probe
+    /// succeeded since.
     down: AtomicBool,
+    /// Consecutive calls that did not reach Redis, since the last success.
+    unreached: AtomicU32,
+    /// Ms (of `clock`) of the first failure since the last success; 0: none.
+    failing_since_ms: AtomicI64,
+    down_after_failures: u32,
+    down_after_ms: i64,
+    /// Woken on every change of `down` (the fleet reports at once; one
+    /// listener).
+    changed: Arc<tokio::sync::Notify>,
     /// Ms (of `clock`) until which calls are skipped without trying.
     down_until_ms: AtomicI64,
     /// The mode last logged and exported (`Mode::code`).
@@ -94,6 +118,11 @@ impl Health {
             samples: Mutex::new(VecDeque::new()),
             slow: AtomicBool::new(false),
             down: AtomicBool::new(false),
+            unreached: AtomicU32::new(0),
+            failing_since_ms: AtomicI64::new(0),
+            down_after_failures: settings.down_after_failures,
+            down_after_ms: i64::try_from(settings.down_after.as_millis()).unwrap_or(i64::MAX),
+            changed: Arc::new(tokio::sync::Notify::new()),
             down_until_ms: AtomicI64::new(0),
             reported: AtomicU8::new(Mode::Normal.code()),
             clock,
@@ -133,20 +162,52 @@ impl Health {
         self.mode() == Mode::Degraded && rand::random::<f64>() < self.sample
     }
 
+    /// One failed call, and what kind of failure; returns whether Redis is
+    /// down for this instance now. The breaker opens (for
+    /// `redis.down_backoff`) once the evidence is in, and a failed probe
+    /// keeps it open.
+    pub fn failed(&self, kind: Failure) -> bool {
+        let now = self.clock.now_ms();
+        let _ =
+            self.failing_since_ms
+                .compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed);
+        let unreached = match kind {
+            Failure::Unreached => self.unreached.fetch_add(1, Ordering::Relaxed) + 1,
+            Failure::TimedOut => self.unreached.load(Ordering::Relaxed),
+        };
+        let since = self.failing_since_ms.load(Ordering::Relaxed);
+        let evidence = unreached >= self.down_after_failures
+            || (since > 0 && now - since >= self.down_after_ms);
+        if evidence || self.is_down() {
+            self.trip();
+        }
+        self.is_down()
+    }
+
     /// Opens the breaker for `redis.down_backoff`.
-    pub fn trip(&self) {
+    fn trip(&self) {
         let backoff = i64::try_from(self.backoff.as_millis()).unwrap_or(1000);
         self.down_until_ms
             .store(self.clock.now_ms() + backoff, Ordering::Relaxed);
-        self.down.store(true, Ordering::Relaxed);
+        if !self.down.swap(true, Ordering::Relaxed) {
+            self.changed.notify_one();
+        }
         self.report();
     }
 
-    /// A call got an answer: closes the breaker.
+    /// A call got an answer: forgets the failures and closes the breaker.
     pub fn healthy(&self) {
+        self.unreached.store(0, Ordering::Relaxed);
+        self.failing_since_ms.store(0, Ordering::Relaxed);
         if self.down.swap(false, Ordering::Relaxed) {
+            self.changed.notify_one();
             self.report();
         }
+    }
+
+    /// Notified on every change between down and up.
+    pub fn changes(&self) -> Arc<tokio::sync::Notify> {
+        self.changed.clone()
     }
 
     /// Records one call's latency (answered, or timed out).
@@ -250,6 +311,10 @@ mod tests {
         assert_eq!(h.evaluate(), Mode::Degraded);
         h.trip();
         assert_eq!(h.mode(), Mode::RedisDown);
+        assert!(
+            h.failed(Failure::TimedOut),
+            "a failure while down keeps it down"
+        );
         assert!(h.skipping());
         h.half_open();
         assert!(!h.skipping());
@@ -257,6 +322,37 @@ mod tests {
         assert_eq!(h.mode(), Mode::Degraded);
         h.samples.lock().unwrap().clear();
         assert_eq!(h.evaluate(), Mode::Normal);
+    }
+
+    #[test]
+    fn down_needs_evidence() {
+        let h = health("[redis]\ndown_after_failures = 3\ndown_after = \"60s\"");
+        assert!(!h.failed(Failure::TimedOut), "one timeout is slowness");
+        assert!(!h.failed(Failure::TimedOut));
+        assert!(!h.failed(Failure::Unreached));
+        assert!(!h.failed(Failure::Unreached));
+        assert_eq!(h.mode(), Mode::Normal);
+        assert!(h.failed(Failure::Unreached), "the third unreached call");
+        assert_eq!(h.mode(), Mode::RedisDown);
+        h.healthy();
+        assert_eq!(h.mode(), Mode::Normal);
+        // A success in between starts the count again.
+        assert!(!h.failed(Failure::Unreached));
+        assert!(!h.failed(Failure::Unreached));
+        h.healthy();
+        assert!(!h.failed(Failure::Unreached));
+        assert_eq!(h.mode(), Mode::Normal);
+    }
+
+    #[test]
+    fn sustained_timeouts_are_down() {
+        let h = health("[redis]\ndown_after_failures = 100\ndown_after = \"50ms\"");
+        assert!(!h.failed(Failure::TimedOut));
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(
+            h.failed(Failure::TimedOut),
+            "failing with no success for down_after"
+        );
     }
 
     #[test]

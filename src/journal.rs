@@ -145,6 +145,22 @@ async fn apply(pool: &PgPool, entries: &[JournalEntry]) -> Result<DeadLetters, D
     Ok(dead)
 }
 
+/// Applies entries that did not come from the stream (an instance's recent
+/// Redis decisions, written to Postgres before it reports Redis down): the
+/// drainer's statements, so an entry applied twice changes nothing. Entries
+/// set aside are logged, as the drainer's are.
+pub async fn apply_entries(pool: &PgPool, entries: &[JournalEntry]) -> Result<(), DurableError> {
+    for (i, why) in apply(pool, entries).await? {
+        let id = entries.get(i).map(|e| e.id.as_str()).unwrap_or("?");
+        tracing::error!(
+            entry = id,
+            reason = why,
+            "journal entry refused by postgres; dropped"
+        );
+    }
+    Ok(())
+}
+
 /// How often a scrape may have the journal's length read again.
 pub const LAG_REFRESH: Duration = Duration::from_secs(5);
 

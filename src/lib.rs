@@ -56,6 +56,7 @@ pub mod config;
 pub mod domain;
 pub mod durable;
 pub mod fast;
+pub mod fleet;
 pub mod health;
 pub mod http;
 pub mod journal;

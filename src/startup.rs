@@ -126,7 +126,11 @@ impl Application {
         let writer_task = tokio::spawn(writer_rx.run(shutdown.clone()));
         let lease_task = tokio::spawn(lease.clone().run(pools.hot.clone(), shutdown.clone()));
         let consumer = format!("worker-{}", lease.worker_id());
+        // The first report before the first request: the gate for Redis
+        // decisions opens only once the fleet has counted this instance.
+        ledger.fleet().beat().await;
         let mut tasks = vec![
+            tokio::spawn(ledger.fleet().clone().run(shutdown.clone())),
             tokio::spawn(
                 Drainer::new(fast.clone(), pools.hot.clone(), consumer).run(shutdown.clone()),
             ),

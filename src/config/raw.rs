@@ -25,6 +25,14 @@ pub(super) struct Raw {
     pub(super) biz: BTreeMap<String, RawBiz>,
     #[serde(default)]
     pub(super) reconcile: RawReconcile,
+    pub(super) fleet: RawFleet,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawFleet {
+    pub(super) heartbeat: String,
+    pub(super) lease: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -68,6 +76,10 @@ pub(super) struct RawRedis {
     pub(super) fallback_rate: String,
     pub(super) fallback_capacity: u64,
     pub(super) ca_file: Option<String>,
+    pub(super) down_after_failures: u32,
+    pub(super) down_after: String,
+    pub(super) background_timeout: String,
+    pub(super) memory_fallback: bool,
 }
 
 #[derive(Debug, Deserialize)]

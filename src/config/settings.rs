@@ -57,6 +57,18 @@ pub struct Settings {
     pub clients: Vec<Client>,
     pub biz: BTreeMap<BizType, BizSettings>,
     pub reconcile: ReconcileSettings,
+    pub fleet: FleetSettings,
+}
+
+/// How the instances agree on Redis (see `crate::fleet`).
+#[derive(Debug, Clone)]
+pub struct FleetSettings {
+    /// How often an instance reports its view of Redis to Postgres.
+    pub heartbeat: Duration,
+    /// How long after its last report began an instance still lets Redis
+    /// decide fast consumes; the others count it as a member for
+    /// `lease + redis.timeout + 1s` after its last report.
+    pub lease: Duration,
 }
 
 /// The filter of issued token ids (see `crate::bloom`).
@@ -174,6 +186,18 @@ pub struct RedisSettings {
     /// `redis.ca_file`: the CA that verifies `rediss://` servers instead of
     /// the system's roots.
     pub ca: Option<CaFile>,
+    /// Consecutive failed calls that did not reach Redis (refused, reset)
+    /// after which Redis is down for this instance.
+    pub down_after_failures: u32,
+    /// Failing calls of any kind (timeouts too) with no success for this
+    /// long: Redis is down for this instance. One timeout is slowness.
+    pub down_after: Duration,
+    /// One call of background work (journal, reconcile, write-backs).
+    pub background_timeout: Duration,
+    /// With Redis and Postgres both unreachable, fast consumes are decided
+    /// in this process's memory (per instance, lost on a crash) instead of
+    /// answering 503.
+    pub memory_fallback: bool,
 }
 
 /// A CA file's path and its PEM text, read (and checked) when the

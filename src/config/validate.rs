@@ -11,9 +11,9 @@ use super::invalid;
 use super::parse::{is_key_id, parse_duration, parse_rate};
 use super::raw::{Raw, RawBloom, RawLimits};
 use super::settings::{
-    BizSettings, BloomSettings, CaFile, Environment, LimitSettings, PostgresSettings,
-    ReconcileSettings, RedisSettings, RedisTopology, ServerSettings, Settings, SigningKey,
-    TokenSettings,
+    BizSettings, BloomSettings, CaFile, Environment, FleetSettings, LimitSettings,
+    PostgresSettings, ReconcileSettings, RedisSettings, RedisTopology, ServerSettings, Settings,
+    SigningKey, TokenSettings,
 };
 use super::ConfigError;
 use crate::auth::Client;
@@ -245,7 +245,30 @@ impl Raw {
             fallback_rate: parse_rate("redis.fallback_rate", &self.redis.fallback_rate)?,
             fallback_capacity: self.redis.fallback_capacity,
             ca,
+            down_after_failures: self.redis.down_after_failures,
+            down_after: parse_duration("redis.down_after", &self.redis.down_after)?,
+            background_timeout: parse_duration(
+                "redis.background_timeout",
+                &self.redis.background_timeout,
+            )?,
+            memory_fallback: self.redis.memory_fallback,
         };
+        if redis.down_after_failures == 0 {
+            return Err(invalid("redis.down_after_failures", "must be at least 1"));
+        }
+        let fleet = FleetSettings {
+            heartbeat: parse_duration("fleet.heartbeat", &self.fleet.heartbeat)?,
+            lease: parse_duration("fleet.lease", &self.fleet.lease)?,
+        };
+        if fleet.heartbeat < Duration::from_millis(10) {
+            return Err(invalid("fleet.heartbeat", "must be at least 10ms"));
+        }
+        if fleet.lease < fleet.heartbeat * 2 {
+            return Err(invalid(
+                "fleet.lease",
+                "must be at least twice fleet.heartbeat",
+            ));
+        }
         if !(0.0..=1.0).contains(&redis.degraded_sample) {
             return Err(invalid(
                 "redis.degraded_sample",
@@ -418,6 +441,7 @@ impl Raw {
             limits,
             clients,
             biz,
+            fleet,
             reconcile: ReconcileSettings {
                 batch_size: self.reconcile.batch_size,
             },

@@ -62,7 +62,7 @@ pub enum ConsumeRow {
     Expired,
 }
 
-pub(super) fn existing(row: &PgRow) -> Result<Existing, sqlx::Error> {
+pub(crate) fn existing(row: &PgRow) -> Result<Existing, sqlx::Error> {
     Ok(Existing {
         state: row.try_get("state")?,
         consumed_at: row.try_get("consumed_at")?,
@@ -142,9 +142,36 @@ pub async fn consume_versioned(
     fingerprint: Option<&str>,
     request_id: Option<&str>,
 ) -> Result<(ConsumeRow, i64), DurableError> {
-    let row = super::fetch_optional(pool, || {
-        sqlx::query(
-        r#"
+    let row =
+        super::fetch_optional(pool, || consume_statement(rec, fingerprint, request_id)).await?;
+    match consumed_row(row)? {
+        Some(decided) => Ok(decided),
+        None => fresh_read(pool, rec.id).await,
+    }
+}
+
+/// The statement of [`consume_versioned`]: claims the token (inserting its
+/// row when Postgres has not heard of it) and writes its audit row, or
+/// returns the row as it stands.
+pub(crate) fn consume_statement<'q>(
+    rec: &'q TokenRecord,
+    fingerprint: Option<&'q str>,
+    request_id: Option<&'q str>,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(CONSUME_SQL)
+        .bind(rec.id)
+        .bind(&rec.token)
+        .bind(&rec.biz_type)
+        .bind(rec.durability.as_str())
+        .bind(&rec.subject)
+        .bind(&rec.client)
+        .bind(rec.issued_at)
+        .bind(rec.expires_at)
+        .bind(fingerprint)
+        .bind(request_id)
+}
+
+const CONSUME_SQL: &str = r#"
         WITH claim AS (
             INSERT INTO tokens AS t (id, token, biz_type, durability, subject, client, issued_at,
                                      expires_at, state, gen, consumed_at, fingerprint, request_id)
@@ -171,46 +198,39 @@ pub async fn consume_versioned(
                t.expires_at, t.gen
           FROM tokens t
          WHERE t.id = $1 AND NOT EXISTS (SELECT 1 FROM claim)
-        "#,
-    )
-    .bind(rec.id)
-    .bind(&rec.token)
-    .bind(&rec.biz_type)
-    .bind(rec.durability.as_str())
-    .bind(&rec.subject)
-    .bind(&rec.client)
-    .bind(rec.issued_at)
-    .bind(rec.expires_at)
-    .bind(fingerprint)
-    .bind(request_id)
-    })
-    .await?;
+        "#;
+
+/// What [`consume_statement`]'s row says; `None`: not decided by it (a fresh
+/// read, [`fresh_read`], tells the rest).
+pub(crate) fn consumed_row(
+    row: Option<sqlx::postgres::PgRow>,
+) -> Result<Option<(ConsumeRow, i64)>, DurableError> {
     match row {
-        Some(r) if r.try_get::<bool, _>("won")? => Ok((
+        Some(r) if r.try_get::<bool, _>("won")? => Ok(Some((
             ConsumeRow::Won {
                 consumed_at: r.try_get("consumed_at")?,
             },
             r.try_get("gen")?,
-        )),
+        ))),
         Some(r) => {
             let e = existing(&r)?;
             if e.state == TokenState::Consumed {
                 let gen = e.gen;
-                return Ok((ConsumeRow::Existing(e), gen));
+                return Ok(Some((ConsumeRow::Existing(e), gen)));
             }
             // Not claimed, yet our snapshot says issued: either it is past
             // `now()`, or a concurrent consume committed after our snapshot was
             // taken (the conflict check waited for it and saw `consumed`). A
             // fresh read tells them apart.
-            fresh_read(pool, rec.id).await
+            Ok(None)
         }
         // Nothing claimed and nothing in our snapshot: expired and unknown,
         // or a concurrent consume inserted the row after our snapshot.
-        None => fresh_read(pool, rec.id).await,
+        None => Ok(None),
     }
 }
 
-async fn fresh_read(pool: &PgPool, id: i64) -> Result<(ConsumeRow, i64), DurableError> {
+pub(crate) async fn fresh_read(pool: &PgPool, id: i64) -> Result<(ConsumeRow, i64), DurableError> {
     Ok(match find(pool, id).await? {
         Some(e) => {
             let gen = e.gen;

@@ -1,20 +1,34 @@
 //! One Redis call: a connection (or `Down` while the breaker is open), the
-//! command under `redis.timeout`, and what its outcome means for the breaker,
-//! the latency window and the metrics.
+//! command under its lane's timeout, and what its outcome means for the
+//! breaker, the latency window and the metrics. Serving calls (a request
+//! waits on them) feed this instance's health; background calls (the
+//! journal, reconcile, write-backs off the answer's path) have their own
+//! timeout, `redis.background_timeout`, and never move the breaker.
 
 use std::time::{Duration, Instant};
 
 use super::conn::Redirect;
 use super::{Conn, FastError, FastTier};
+use crate::health::Failure;
+
+/// Who waits on a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Lane {
+    /// A request: `redis.timeout`, and the outcome is evidence of health.
+    Serving,
+    /// Background work: `redis.background_timeout`, no evidence.
+    Background,
+}
 
 /// Redirects followed per call: a resharding can answer `MOVED` (the slot
 /// has a new owner) and then `ASK` (the key is being migrated on from it).
 const MAX_REDIRECTS: usize = 3;
 
 /// One try of a call: how long it took, and its outcome (`None`: no answer
-/// within `redis.timeout`).
+/// within the lane's timeout).
 struct Sent<T> {
     op: &'static str,
+    lane: Lane,
     took: Duration,
     out: Option<Result<T, redis::RedisError>>,
 }
@@ -54,7 +68,23 @@ impl FastTier {
         F: Fn(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
     {
-        let sent = self.send(op, &f).await?;
+        let sent = self.send(Lane::Serving, op, &f).await?;
+        self.judge(sent)
+    }
+
+    /// Runs one background call: skipped while the breaker is open, bounded
+    /// by `redis.background_timeout`, and never evidence of health.
+    /// Redirects are followed as in [`FastTier::call`].
+    pub(super) async fn call_background<T, F, Fut>(
+        &self,
+        op: &'static str,
+        f: F,
+    ) -> Result<T, FastError>
+    where
+        F: Fn(Conn) -> Fut,
+        Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
+    {
+        let sent = self.send(Lane::Background, op, &f).await?;
         self.judge(sent)
     }
 
@@ -66,6 +96,7 @@ impl FastTier {
     /// be on its way).
     pub(super) async fn call_idempotent<T, F, Fut>(
         &self,
+        lane: Lane,
         op: &'static str,
         f: F,
     ) -> Result<T, FastError>
@@ -73,7 +104,7 @@ impl FastTier {
         F: Fn(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
     {
-        let sent = self.send(op, &f).await?;
+        let sent = self.send(lane, op, &f).await?;
         match &sent.out {
             Some(Err(e)) if e.is_connection_dropped() => {
                 self.metrics
@@ -81,7 +112,7 @@ impl FastTier {
                     .with_label_values(&["error"])
                     .inc();
                 tracing::debug!(error = %e, op, "redis connection dropped under the call: sent again");
-                let again = self.send(op, &f).await?;
+                let again = self.send(lane, op, &f).await?;
                 self.judge(again)
             }
             _ => self.judge(sent),
@@ -89,9 +120,14 @@ impl FastTier {
     }
 
     /// [`FastTier::try_once`], and on a cluster again after each `MOVED` or
-    /// `ASK` reply (each try under `redis.timeout`), at most
+    /// `ASK` reply (each try under its lane's timeout), at most
     /// [`MAX_REDIRECTS`] times.
-    async fn send<T, F, Fut>(&self, op: &'static str, f: &F) -> Result<Sent<T>, FastError>
+    async fn send<T, F, Fut>(
+        &self,
+        lane: Lane,
+        op: &'static str,
+        f: &F,
+    ) -> Result<Sent<T>, FastError>
     where
         F: Fn(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
@@ -99,7 +135,7 @@ impl FastTier {
         let mut redirect = None;
         let mut followed = 0;
         loop {
-            let sent = self.try_once(op, f, redirect.take()).await?;
+            let sent = self.try_once(lane, op, f, redirect.take()).await?;
             if let Some(Err(e)) = &sent.out {
                 if self.cluster && followed < MAX_REDIRECTS {
                     if let Some(r) = Redirect::of(e) {
@@ -115,9 +151,10 @@ impl FastTier {
     }
 
     /// One try: a connection (or [`FastError::Down`]), then the call under
-    /// `redis.timeout` (after `redirect`, on the node it names).
+    /// its lane's timeout (after `redirect`, on the node it names).
     async fn try_once<T, F, Fut>(
         &self,
+        lane: Lane,
         op: &'static str,
         f: &F,
         redirect: Option<Redirect>,
@@ -126,7 +163,7 @@ impl FastTier {
         F: Fn(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
     {
-        let conn = match self.conn().await {
+        let conn = match self.conn(lane).await {
             Ok(c) => c,
             Err(e) => {
                 self.metrics
@@ -140,25 +177,35 @@ impl FastTier {
             Some(r) => conn.redirected(r),
             None => conn,
         };
+        let timeout = match lane {
+            Lane::Serving => self.settings.timeout,
+            Lane::Background => self.settings.background_timeout,
+        };
         let start = Instant::now();
-        let out = tokio::time::timeout(self.settings.timeout, f(conn))
-            .await
-            .ok();
+        let out = tokio::time::timeout(timeout, f(conn)).await.ok();
         let took = start.elapsed();
         self.metrics
             .tier_duration
             .with_label_values(&["redis", op])
             .observe(took.as_secs_f64());
-        Ok(Sent { op, took, out })
+        Ok(Sent {
+            op,
+            lane,
+            took,
+            out,
+        })
     }
 
     /// What one try's outcome means for the breaker, the latency window and
     /// the caller.
     fn judge<T>(&self, sent: Sent<T>) -> Result<T, FastError> {
+        let serving = sent.lane == Lane::Serving;
         match sent.out {
             Some(Ok(v)) => {
-                self.health.record(sent.took);
-                self.health.healthy();
+                if serving {
+                    self.health.record(sent.took);
+                    self.health.healthy();
+                }
                 Ok(v)
             }
             Some(Err(e)) => {
@@ -167,21 +214,27 @@ impl FastTier {
                     .with_label_values(&["error"])
                     .inc();
                 if never_ran(&e) {
-                    self.health.trip();
-                    tracing::debug!(error = %e, "redis refused the call; skipping it");
+                    if serving {
+                        self.health.failed(Failure::Unreached);
+                    }
+                    tracing::debug!(error = %e, op = sent.op, "redis refused the call: it did not run");
                     return Err(FastError::Down);
                 }
                 if connection_failed(&e) {
                     tracing::debug!(error = %e, op = sent.op, "redis call failed on its connection");
-                    self.health.trip();
-                } else {
+                    if serving {
+                        self.health.failed(Failure::Unreached);
+                    }
+                } else if serving {
                     self.health.record(sent.took);
                 }
                 Err(e.into())
             }
             None => {
-                self.health.record(self.settings.timeout);
-                self.health.trip();
+                if serving {
+                    self.health.record(self.settings.timeout);
+                    self.health.failed(Failure::TimedOut);
+                }
                 self.metrics
                     .fast_tier_total
                     .with_label_values(&["error"])

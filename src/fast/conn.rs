@@ -13,8 +13,10 @@ use redis::{
     RedisResult, ServerErrorKind, Value,
 };
 
+use super::call::Lane;
 use super::{FastError, FastTier};
 use crate::config::RedisTopology;
+use crate::health::Failure;
 
 /// A connection to a standalone Redis or a cluster.
 #[derive(Clone)]
@@ -355,7 +357,7 @@ impl FastTier {
         conns.get(i).cloned()
     }
 
-    pub(super) async fn conn(&self) -> Result<Conn, FastError> {
+    pub(super) async fn conn(&self, lane: Lane) -> Result<Conn, FastError> {
         if self.health.skipping() {
             return Err(FastError::Down);
         }
@@ -380,11 +382,15 @@ impl FastTier {
             // No connection: nothing was sent.
             Ok(Err(e)) => {
                 tracing::debug!(error = %e, "cannot connect to redis");
-                self.health.trip();
+                if lane == Lane::Serving {
+                    self.health.failed(Failure::Unreached);
+                }
                 Err(FastError::Down)
             }
             Err(_) => {
-                self.health.trip();
+                if lane == Lane::Serving {
+                    self.health.failed(Failure::Unreached);
+                }
                 Err(FastError::Down)
             }
         }

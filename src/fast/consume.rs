@@ -1,6 +1,7 @@
 //! The consume script: one attempt on one token's key, and its reply
 //! (the outcome, the key's generation, Redis's clock).
 
+use super::call::Lane;
 use super::{FastError, FastTier};
 
 /// What the consume script found or did.
@@ -161,7 +162,7 @@ impl FastTier {
             .unwrap_or_default();
         let create_at = create_at.as_str();
         let reply: Vec<String> = self
-            .call_idempotent("consume", |mut c| async move {
+            .call_idempotent(Lane::Serving, "consume", |mut c| async move {
                 let mut inv = script.key(key);
                 if append {
                     inv.key(journal_key);

@@ -51,7 +51,7 @@ impl FastTier {
             return None;
         }
         let reply: Result<Value, _> = self
-            .call("config", |mut c| async move {
+            .call_background("config", |mut c| async move {
                 redis::cmd("CONFIG")
                     .arg("GET")
                     .arg("maxmemory-policy")

@@ -81,7 +81,7 @@ impl FastTier {
     /// Appends one entry to the journal stream (cluster mode, or repairs).
     pub async fn append_journal(&self, fields: &[(&str, String)]) -> Result<(), FastError> {
         let key = &self.journal_key();
-        self.call("journal", |mut c| async move {
+        self.call_background("journal", |mut c| async move {
             let mut cmd = redis::cmd("XADD");
             cmd.arg(key).arg("*");
             for (k, v) in fields {
@@ -166,7 +166,7 @@ impl FastTier {
             cmd.arg(k).arg(v.as_slice());
         }
         let cmd = &cmd;
-        self.call("dead_letter", |mut c| async move {
+        self.call_background("dead_letter", |mut c| async move {
             cmd.query_async::<Value>(&mut c).await.map(|_| ())
         })
         .await?;
@@ -177,7 +177,7 @@ impl FastTier {
     /// Entries in the dead-letter stream.
     pub async fn dead_letters(&self) -> Result<u64, FastError> {
         let key = &self.journal_dead_key();
-        self.call("xlen", |mut c| async move {
+        self.call_background("xlen", |mut c| async move {
             redis::cmd("XLEN").arg(key).query_async::<u64>(&mut c).await
         })
         .await
@@ -187,7 +187,7 @@ impl FastTier {
     /// drained but not yet deleted).
     pub async fn journal_len(&self) -> Result<u64, FastError> {
         let key = &self.journal_key();
-        self.call("xlen", |mut c| async move {
+        self.call_background("xlen", |mut c| async move {
             redis::cmd("XLEN").arg(key).query_async::<u64>(&mut c).await
         })
         .await
@@ -197,7 +197,7 @@ impl FastTier {
     pub async fn journal_group_create(&self) -> Result<(), FastError> {
         let key = &self.journal_key();
         let created = self
-            .call("xgroup", |mut c| async move {
+            .call_background("xgroup", |mut c| async move {
                 redis::cmd("XGROUP")
                     .arg("CREATE")
                     .arg(key)
@@ -224,7 +224,7 @@ impl FastTier {
     ) -> Result<Vec<JournalEntry>, FastError> {
         let key = &self.journal_key();
         let claimed: StreamAutoClaimReply = self
-            .call("xautoclaim", |mut c| async move {
+            .call_background("xautoclaim", |mut c| async move {
                 redis::cmd("XAUTOCLAIM")
                     .arg(key)
                     .arg(GROUP)
@@ -257,7 +257,7 @@ impl FastTier {
             ReadFrom::New => ">",
         };
         let read: StreamReadReply = self
-            .call("xreadgroup", |mut c| async move {
+            .call_background("xreadgroup", |mut c| async move {
                 redis::cmd("XREADGROUP")
                     .arg("GROUP")
                     .arg(GROUP)
@@ -283,7 +283,7 @@ impl FastTier {
     /// aside).
     pub async fn journal_ack(&self, ids: &[String]) -> Result<(), FastError> {
         let key = &self.journal_key();
-        self.call("xack", |mut c| async move {
+        self.call_background("xack", |mut c| async move {
             let mut p = redis::pipe();
             p.cmd("XACK").arg(key).arg(GROUP).arg(ids).ignore();
             p.cmd("XDEL").arg(key).arg(ids).ignore();

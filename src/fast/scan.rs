@@ -95,7 +95,7 @@ impl FastTier {
         }
         // CLUSTER SLOTS: [[start, end, [host, port, id], replicas...], ...]
         let slots: Vec<Value> = self
-            .call("cluster_slots", |mut c| async move {
+            .call_background("cluster_slots", |mut c| async move {
                 redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut c).await
             })
             .await?;
@@ -142,7 +142,7 @@ impl FastTier {
             .arg(count);
         let (target, cmd) = (&node.0, &cmd);
         let (next, keys): (u64, Vec<String>) = self
-            .call("scan", |mut c| async move {
+            .call_background("scan", |mut c| async move {
                 match (&mut c, target) {
                     (Conn::Cluster(cc), Some((host, port))) => {
                         use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
@@ -181,7 +181,7 @@ impl FastTier {
         let keys: &Vec<String> = &tokens.iter().map(|t| self.token_key(t)).collect();
         let cluster = self.cluster;
         let (time, rows): ((i64, i64), Vec<StateFields>) = self
-            .call("key_states", |mut c| async move {
+            .call_background("key_states", |mut c| async move {
                 if cluster {
                     let time: (i64, i64) = redis::cmd("TIME").query_async(&mut c).await?;
                     let reads = keys.iter().map(|k| {
@@ -246,7 +246,7 @@ impl FastTier {
     pub async fn reseed(&self, token: &str, ttl_ms: i64, gen: i64) -> Result<bool, FastError> {
         let key = &self.token_key(token);
         let script = &self.scripts.issue;
-        self.call("reseed", |mut c| async move {
+        self.call_background("reseed", |mut c| async move {
             script
                 .key(key)
                 .arg(ttl_ms.max(1))
@@ -323,7 +323,7 @@ impl FastTier {
         let consumed_ttl = self.consumed_ttl_ms();
         let seen = &r.seen_gen.map(|g| g.to_string()).unwrap_or_default();
         let r = &r;
-        self.call("reconcile", |mut c| async move {
+        self.call_background("reconcile", |mut c| async move {
             script
                 .key(key)
                 .arg(op)

@@ -2,6 +2,7 @@
 //! issued token, write-backs of what Postgres decided (versioned by
 //! generation), forgetting a key, and result or release of fast types.
 
+use super::call::Lane;
 use super::{FastError, FastTier, Marker};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -83,7 +84,7 @@ impl FastTier {
         let m = marker.cloned().unwrap_or_default();
         let (key, m) = (&key, &m);
         // Versioned, so safe to send again (see `connect`).
-        self.call_idempotent("writeback", |mut c| async move {
+        self.call_idempotent(Lane::Background, "writeback", |mut c| async move {
             script
                 .key(key)
                 .arg(op)

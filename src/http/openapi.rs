@@ -27,7 +27,7 @@ use super::{admin, keys, ops, orders, tokens, ErrorBody};
         crate::ledger::DuplicateStatus, tokens::IssueRequest, tokens::IssueResponse, tokens::GenerateResponse,
         tokens::ConsumeRequest, tokens::ConsumeResponse, tokens::ResultRequest, tokens::ReleaseRequest,
         tokens::OutcomeResponse, tokens::TokenStateResponse, admin::AdminReleaseRequest,
-        ops::Readiness,
+        ops::Readiness, ops::FleetReadiness, crate::fleet::FleetState,
         keys::KeyConsumeRequest, keys::KeyConsumeResponse, keys::KeyResultRequest,
         keys::KeyReleaseRequest, keys::KeyStateResponse,
         orders::CreateOrderRequest, orders::OrderBody, orders::OrderEventBody, orders::PayRequest,
@@ -272,6 +272,11 @@ closed_set_schema!(
     "How the service uses Redis right now: normal; degraded (Redis is slow, a sample of durable consumes bypasses it); redis_down (Redis is skipped)"
 );
 closed_set_schema!(
+    crate::fleet::FleetState,
+    "FleetState",
+    "The fleet's agreement on Redis: normal (Redis decides fast types); redis_down (every member reported Redis down: Postgres decides them)"
+);
+closed_set_schema!(
     crate::ledger::AnswerOutcome,
     "ConsumeOutcome",
     "A consume answer: consumed (this attempt, or a retry of it with the winning request_id, won) or duplicate (another attempt won)"
@@ -429,6 +434,10 @@ mod tests {
             ("AuditKind", strings(&AuditKind::ALL.map(AuditKind::as_str))),
             ("Mode", strings(&Mode::ALL.map(Mode::as_str))),
             (
+                "FleetState",
+                strings(&crate::fleet::FleetState::ALL.map(crate::fleet::FleetState::as_str)),
+            ),
+            (
                 "ConsumeOutcome",
                 strings(&AnswerOutcome::ALL.map(AnswerOutcome::as_str)),
             ),
@@ -453,6 +462,7 @@ mod tests {
         refers("AuditEvent", "kind", "AuditKind");
         refers("OrderEventBody", "kind", "AuditKind");
         refers("Readiness", "mode", "Mode");
+        refers("FleetReadiness", "state", "FleetState");
         refers("Stats", "mode", "Mode");
         let consume = schemas["ConsumeResponse"].to_string();
         for to in ["ConsumeOutcome", "DuplicateStatus"] {

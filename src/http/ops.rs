@@ -27,6 +27,27 @@ pub struct Readiness {
     pub mode: &'static str,
     /// This instance's snowflake worker id.
     pub worker_id: u16,
+    /// The fleet, as this instance last reported to it.
+    pub fleet: FleetReadiness,
+}
+
+/// The fleet's agreement on Redis (docs/operations.md, "Fleet").
+#[derive(Debug, Serialize, ToSchema)]
+pub struct FleetReadiness {
+    /// `normal` (Redis decides fast types) or `redis_down` (every member
+    /// reported Redis down: Postgres decides them).
+    #[schema(value_type = crate::fleet::FleetState)]
+    pub state: &'static str,
+    /// Bumped by every change of `state`.
+    pub epoch: i64,
+    /// Instances counted at the last report, and how many of them report
+    /// Redis down.
+    pub members: i64,
+    pub redis_down_members: i64,
+    /// Whether Redis may decide fast consumes on this instance now
+    /// (otherwise they are decided by Postgres while the fleet is
+    /// `redis_down`, or answered 503).
+    pub redis_decides_here: bool,
 }
 
 /// What `/readyz` says of Redis in each mode.
@@ -51,6 +72,17 @@ pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
         redis: redis_state(mode),
         mode: mode.as_str(),
         worker_id: ledger.worker_id(),
+        fleet: {
+            let fleet = ledger.fleet();
+            let v = fleet.view();
+            FleetReadiness {
+                state: v.state.as_str(),
+                epoch: v.epoch,
+                members: v.members,
+                redis_down_members: v.redis_down_members,
+                redis_decides_here: fleet.redis_may_decide().is_some(),
+            }
+        },
     };
     if pg_up {
         HttpResponse::Ok().json(body)

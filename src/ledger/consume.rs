@@ -270,11 +270,24 @@ impl Ledger {
             ConsumeMode::Fast
         };
         let fields = journal::consume_fields(record, attempt.request_id, attempt.fingerprint);
-        match self
+        // Redis decides only through this instance's gate (see `crate::fleet`).
+        let Some(gate) = self.fleet.redis_may_decide() else {
+            return self
+                .consume_fast_down(token, record, input, &attempt, expired)
+                .await;
+        };
+        let reply = self
             .fast
-            .consume(&token.text, mode, &attempt, self.provisional_ms(), &fields)
-            .await
-        {
+            .consume_versioned(&token.text, mode, &attempt, self.provisional_ms(), &fields)
+            .await;
+        if let Ok((ScriptOutcome::Won { at_ms }, version)) = &reply {
+            let mut entry = fields.clone();
+            entry.push((journal::AT, at_ms.to_string()));
+            entry.push((journal::GEN, version.gen.to_string()));
+            self.fleet.decided_in_redis(&gate, entry);
+        }
+        drop(gate);
+        match reply.map(|(outcome, _)| outcome) {
             Ok(ScriptOutcome::Won { at_ms }) => {
                 return Ok(ConsumeAnswer::Consumed {
                     consumed_at: ms_to_time(at_ms).unwrap_or_else(|| self.clock.now()),

@@ -2,6 +2,7 @@
 //! operation shares (token tag, the fleet's filter, biz type known and
 //! granted, the binding to client and subject), all without I/O.
 
+use crate::fleet::Fleet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -47,6 +48,8 @@ pub struct Ledger {
     pub(super) bloom: Arc<IssuedFilter>,
     /// Durable consumes go to Postgres through it (group commit).
     pub(super) batcher: ConsumeBatcher,
+    /// The fleet's agreement on Redis: who decides fast types now.
+    pub(super) fleet: Arc<Fleet>,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -83,8 +86,17 @@ impl Ledger {
     ) -> Ledger {
         let bloom = Arc::new(IssuedFilter::new(settings.bloom.clone(), metrics.clone()));
         let batcher = ConsumeBatcher::new(pools.clone(), metrics.clone(), &settings.postgres);
+        let fleet = Arc::new(Fleet::new(
+            &settings,
+            pools.hot.clone(),
+            pools.deadline,
+            fast.clone(),
+            clock.clone(),
+            &metrics,
+        ));
         Ledger {
             batcher,
+            fleet,
             resync: Arc::new(ResyncQueue::new(metrics.resync_depth.clone())),
             fallback: Fallback::new(&settings.redis),
             limiters: IssueLimits::new(&settings),
@@ -106,6 +118,10 @@ impl Ledger {
     /// The fleet-wide filter of issued token ids.
     pub fn bloom(&self) -> &Arc<IssuedFilter> {
         &self.bloom
+    }
+    /// The fleet's agreement on Redis (see [`crate::fleet`]).
+    pub fn fleet(&self) -> &Arc<Fleet> {
+        &self.fleet
     }
     pub fn worker_id(&self) -> u16 {
         self.lease.worker_id()

@@ -13,6 +13,8 @@ use super::consume::{answer_from_row, classify, Prior};
 use super::core::{ms, ms_to_time};
 use super::{ConsumeAnswer, ConsumeInput, DuplicateStatus, Ledger, LedgerError};
 use crate::config::RedisSettings;
+use crate::durable::fleet as fleet_store;
+use crate::durable::timed;
 use crate::durable::tokens::TokenRecord;
 use crate::fast::{Attempt, ConsumeMode, Marker, ScriptOutcome};
 use crate::health::Mode;
@@ -120,17 +122,50 @@ impl Ledger {
                 source: None,
             });
         }
-        let row = self.consume_in_postgres(record, attempt).await;
+        let Some(epoch) = self.fleet.postgres_may_decide().await else {
+            if self.settings.redis.memory_fallback
+                && self.fast.is_down()
+                && self.fleet.view().postgres_failing()
+            {
+                tracing::debug!(
+                    "redis and postgres down: this instance decides (redis.memory_fallback)"
+                );
+                return self.consume_fast_in_memory(token, record, input, attempt);
+            }
+            return Err(LedgerError::Unavailable {
+                what: "redis (unreachable from this instance, and the fleet has not agreed that it is down; retry)",
+                retry_after_secs: 1,
+                source: None,
+            });
+        };
+        let row = timed(
+            &self.metrics,
+            "consume",
+            self.pools.bounded(fleet_store::consume_fenced(
+                &self.pools.hot,
+                epoch,
+                record,
+                &token.text,
+                attempt.fingerprint,
+                attempt.request_id,
+            )),
+        )
+        .await;
         match row {
-            Ok((row, gen)) => {
+            Ok(Some((row, gen))) => {
                 if let Some(m) = self.marker_of(&row, attempt) {
                     self.fallback.consumed.insert(record.id, m);
                 }
                 self.settle_row(&token.text, 0, &row, gen, None, attempt);
                 answer_from_row(&row, input, self.clock.now())
             }
-            Err(e) if e.is_unavailable() => {
-                tracing::debug!(error = %e, "redis and postgres down: this instance decides");
+            Ok(None) => Err(LedgerError::Unavailable {
+                what: "redis (the fleet is going back to it; retry)",
+                retry_after_secs: 1,
+                source: None,
+            }),
+            Err(e) if e.is_unavailable() && self.settings.redis.memory_fallback => {
+                tracing::debug!(error = %e, "redis and postgres down: this instance decides (redis.memory_fallback)");
                 self.consume_fast_in_memory(token, record, input, attempt)
             }
             Err(e) => Err(LedgerError::postgres(e)),

@@ -10,6 +10,7 @@
 //! result no longer answers `processing` alone (Postgres is asked), and the
 //! write is queued for when Redis answers.
 
+use crate::durable::fleet as fleet_store;
 use std::time::Duration;
 
 use serde_json::Value as Json;
@@ -40,12 +41,7 @@ pub(super) struct Held {
 
 /// The consumed marker of a Postgres row (its result included).
 fn marker_of_row(e: &Existing) -> Marker {
-    Marker {
-        at_ms: e.consumed_at.map(|t| t.timestamp_millis()).unwrap_or(0),
-        request_id: e.request_id.clone(),
-        fingerprint: e.fingerprint.clone(),
-        result: e.result.as_ref().map(Json::to_string),
-    }
+    Marker::from(e)
 }
 
 impl Ledger {
@@ -79,6 +75,9 @@ impl Ledger {
     ) -> Result<ResultAnswer, LedgerError> {
         let id = held.record.id;
         let encoded = result.to_string();
+        // Set when Postgres decides a fast type's result because the fleet
+        // has Redis down: the result is queued for Redis at that epoch.
+        let mut fenced = None;
         if held.durability == Durability::Fast {
             let fields = journal::result_fields_for(&held.record, &encoded);
             match self
@@ -97,7 +96,17 @@ impl Ledger {
                     };
                 }
                 Ok(FastWrite::NotConsumed) => return Err(LedgerError::NotConsumed),
-                Ok(_) | Err(_) => {} // miss or down: Postgres
+                Ok(_) => {} // miss: Postgres
+                Err(e) => match self.fleet.postgres_may_decide().await {
+                    Some(epoch) => fenced = Some(epoch),
+                    None => {
+                        return Err(LedgerError::Unavailable {
+                            what: "redis (unreachable from this instance, and the fleet has not agreed that it is down; retry)",
+                            retry_after_secs: 1,
+                            source: Some(e.into()),
+                        })
+                    }
+                },
             }
         }
         let row = timed(
@@ -110,6 +119,19 @@ impl Ledger {
         .map_err(LedgerError::postgres)?;
         match row {
             ResultDecided::Recorded(e) => {
+                if let Some(epoch) = fenced {
+                    // Best effort: a result Redis misses answers `processing`
+                    // until reconcile or the next write brings it.
+                    let _ = self
+                        .pools
+                        .bounded(fleet_store::queue_fenced(
+                            &self.pools.hot,
+                            epoch,
+                            id,
+                            &held.handle,
+                        ))
+                        .await;
+                }
                 self.result_to_redis(&held.handle, &e).await;
                 Ok(ResultAnswer::Recorded)
             }
@@ -357,6 +379,18 @@ impl Ledger {
                 Ok(())
             }
             ReleaseRow::Existing(_) | ReleaseRow::Unknown => Err(LedgerError::NotReleasable),
+        }
+    }
+}
+
+impl From<&Existing> for Marker {
+    /// The consumed marker of a Postgres row (its result included).
+    fn from(e: &Existing) -> Marker {
+        Marker {
+            at_ms: e.consumed_at.map(|t| t.timestamp_millis()).unwrap_or(0),
+            request_id: e.request_id.clone(),
+            fingerprint: e.fingerprint.clone(),
+            result: e.result.as_ref().map(Json::to_string),
         }
     }
 }

@@ -1,0 +1,276 @@
+//! The fleet's agreement on Redis, in Postgres: members' reports, the
+//! fleet state and its epoch, fast decisions fenced by that state, and the
+//! queue of those decisions for Redis (`redis_resync`). The protocol is
+//! `crate::fleet`'s; this file holds its statements.
+
+use std::time::Duration;
+
+use sqlx::{PgConnection, PgPool, Row};
+use uuid::Uuid;
+
+use super::tokens::{self, ConsumeRow, Existing, TokenRecord};
+use super::DurableError;
+
+/// The fleet's state, as recorded in `fleet_state`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FleetState {
+    /// Redis decides fast types.
+    Normal,
+    /// Every member reported Redis down: Postgres decides fast types.
+    RedisDown,
+}
+
+impl FleetState {
+    pub const ALL: [FleetState; 2] = [FleetState::Normal, FleetState::RedisDown];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FleetState::Normal => "normal",
+            FleetState::RedisDown => "redis_down",
+        }
+    }
+
+    fn parse(s: &str) -> Result<FleetState, DurableError> {
+        match s {
+            "normal" => Ok(FleetState::Normal),
+            "redis_down" => Ok(FleetState::RedisDown),
+            other => Err(DurableError::Other(sqlx::Error::Decode(
+                format!("fleet_state.state {other:?}").into(),
+            ))),
+        }
+    }
+}
+
+/// What one report found (after it was counted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Report {
+    pub state: FleetState,
+    pub epoch: i64,
+    /// Members seen within the member timeout (this one included).
+    pub members: i64,
+    /// Of those, how many report Redis down.
+    pub redis_down_members: i64,
+    /// This report turned the fleet to `redis_down`.
+    pub flipped: bool,
+}
+
+fn ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Records this member's view of Redis and returns the fleet's, turning the
+/// fleet to `redis_down` (a new epoch) when every member seen within
+/// `member_timeout` reports Redis down. One transaction under the lock of
+/// the fleet row, so reports are serialised: a member that reported Redis
+/// up is counted by every later report.
+pub async fn report(
+    pool: &PgPool,
+    instance: Uuid,
+    redis_up: bool,
+    member_timeout: Duration,
+) -> Result<Report, DurableError> {
+    let mut tx = pool.begin().await?;
+    let row = sqlx::query("SELECT state, epoch FROM fleet_state WHERE id = 1 FOR UPDATE")
+        .fetch_one(&mut *tx)
+        .await?;
+    let mut state = FleetState::parse(row.try_get::<&str, _>("state")?)?;
+    let mut epoch: i64 = row.try_get("epoch")?;
+    sqlx::query(
+        "INSERT INTO fleet_members (instance, redis_up, seen_at) VALUES ($1, $2, now())
+         ON CONFLICT (instance) DO UPDATE SET redis_up = EXCLUDED.redis_up, seen_at = now()",
+    )
+    .bind(instance)
+    .bind(redis_up)
+    .execute(&mut *tx)
+    .await?;
+    let counts = sqlx::query(
+        "SELECT count(*) AS members, count(*) FILTER (WHERE NOT redis_up) AS down
+           FROM fleet_members WHERE seen_at > now() - $1 * interval '1 millisecond'",
+    )
+    .bind(ms(member_timeout))
+    .fetch_one(&mut *tx)
+    .await?;
+    let members: i64 = counts.try_get("members")?;
+    let down: i64 = counts.try_get("down")?;
+    let flipped = state == FleetState::Normal && members > 0 && down == members;
+    if flipped {
+        epoch = sqlx::query_scalar(
+            "UPDATE fleet_state SET state = 'redis_down', epoch = epoch + 1, since = now()
+              WHERE id = 1 RETURNING epoch",
+        )
+        .fetch_one(&mut *tx)
+        .await?;
+        state = FleetState::RedisDown;
+    }
+    tx.commit().await?;
+    Ok(Report {
+        state,
+        epoch,
+        members,
+        redis_down_members: down,
+        flipped,
+    })
+}
+
+/// A member leaving cleanly is no longer waited for; members not seen for
+/// an hour are forgotten.
+pub async fn leave(pool: &PgPool, instance: Uuid) -> Result<(), DurableError> {
+    sqlx::query(
+        "DELETE FROM fleet_members
+          WHERE instance = $1 OR seen_at < now() - interval '1 hour'",
+    )
+    .bind(instance)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// A fast consume decided by Postgres while the fleet has Redis down: only
+/// under the fleet row's share lock at `epoch` (so the return to normal waits
+/// for it and sees it), and with its `redis_resync` row in the same
+/// transaction. `None`: the fleet is no longer at that epoch's `redis_down`,
+/// nothing was decided.
+pub async fn consume_fenced(
+    pool: &PgPool,
+    epoch: i64,
+    rec: &TokenRecord,
+    handle: &str,
+    fingerprint: Option<&str>,
+    request_id: Option<&str>,
+) -> Result<Option<(ConsumeRow, i64)>, DurableError> {
+    let mut tx = pool.begin().await?;
+    if !fenced(&mut tx, epoch).await? {
+        return Ok(None);
+    }
+    let row = tokens::consume_statement(rec, fingerprint, request_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+    let decided = tokens::consumed_row(row)?;
+    if let Some((ConsumeRow::Won { .. }, _)) = decided {
+        queue(&mut tx, epoch, rec.id, handle).await?;
+    }
+    tx.commit().await?;
+    match decided {
+        Some(d) => Ok(Some(d)),
+        None => tokens::fresh_read(pool, rec.id).await.map(Some),
+    }
+}
+
+/// Whether the fleet is at `epoch`'s `redis_down`, holding the share lock
+/// on its row until the transaction ends.
+async fn fenced(conn: &mut PgConnection, epoch: i64) -> Result<bool, DurableError> {
+    let at: Option<i64> = sqlx::query_scalar(
+        "SELECT epoch FROM fleet_state WHERE id = 1 AND state = 'redis_down' FOR SHARE",
+    )
+    .fetch_optional(conn)
+    .await?;
+    Ok(at == Some(epoch))
+}
+
+async fn queue(
+    conn: &mut PgConnection,
+    epoch: i64,
+    id: i64,
+    handle: &str,
+) -> Result<(), DurableError> {
+    sqlx::query(
+        "INSERT INTO redis_resync (token_id, handle, epoch) VALUES ($1, $2, $3)
+         ON CONFLICT (token_id) DO UPDATE SET epoch = EXCLUDED.epoch",
+    )
+    .bind(id)
+    .bind(handle)
+    .bind(epoch)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Queues a change Postgres made to a fast token or key while the fleet had
+/// Redis down (a result, a release), after the fact: fenced like a consume,
+/// so that it is either seen by the return to normal or refused.
+/// `false`: the fleet is no longer at that epoch.
+pub async fn queue_fenced(
+    pool: &PgPool,
+    epoch: i64,
+    id: i64,
+    handle: &str,
+) -> Result<bool, DurableError> {
+    let mut tx = pool.begin().await?;
+    if !fenced(&mut tx, epoch).await? {
+        return Ok(false);
+    }
+    queue(&mut tx, epoch, id, handle).await?;
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// One queued decision: the Redis key's handle and the token as Postgres
+/// holds it now.
+#[derive(Debug, Clone)]
+pub struct Queued {
+    pub id: i64,
+    pub handle: String,
+    pub state: Existing,
+}
+
+/// The decisions queued for Redis (any epoch up to `epoch`).
+pub async fn queued(conn: &mut PgConnection, epoch: i64) -> Result<Vec<Queued>, DurableError> {
+    let rows = sqlx::query(
+        "SELECT r.token_id, r.handle, t.state, t.consumed_at, t.fingerprint, t.request_id,
+                t.result, t.order_id, t.expires_at, t.gen
+           FROM redis_resync r JOIN tokens t ON t.id = r.token_id
+          WHERE r.epoch <= $1
+          ORDER BY r.token_id",
+    )
+    .bind(epoch)
+    .fetch_all(conn)
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(Queued {
+                id: r.try_get("token_id")?,
+                handle: r.try_get("handle")?,
+                state: tokens::existing(r)?,
+            })
+        })
+        .collect()
+}
+
+/// The transaction that ends an episode: holds the fleet row exclusively
+/// (every fenced decision has committed or waits and will be refused).
+/// `None`: the fleet is not at `epoch`'s `redis_down` (another member
+/// ended it already).
+pub async fn begin_return(
+    pool: &PgPool,
+    epoch: i64,
+) -> Result<Option<sqlx::Transaction<'static, sqlx::Postgres>>, DurableError> {
+    let mut tx = pool.begin().await?;
+    let at: Option<(String, i64)> =
+        sqlx::query_as("SELECT state, epoch FROM fleet_state WHERE id = 1 FOR UPDATE")
+            .fetch_optional(&mut *tx)
+            .await?;
+    match at {
+        Some((state, e)) if state == "redis_down" && e == epoch => Ok(Some(tx)),
+        _ => Ok(None),
+    }
+}
+
+/// Ends the episode in the transaction of [`begin_return`]: the fleet is
+/// normal at a new epoch, and the queue up to `epoch` is emptied.
+pub async fn finish_return(
+    mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    epoch: i64,
+) -> Result<i64, DurableError> {
+    sqlx::query("DELETE FROM redis_resync WHERE epoch <= $1")
+        .bind(epoch)
+        .execute(&mut *tx)
+        .await?;
+    let next: i64 = sqlx::query_scalar(
+        "UPDATE fleet_state SET state = 'normal', epoch = epoch + 1, since = now()
+          WHERE id = 1 RETURNING epoch",
+    )
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(next)
+}

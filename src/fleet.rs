@@ -1,0 +1,520 @@
+//! The fleet's agreement on Redis, which lets fast biz types stay exactly
+//! once across instances (DESIGN.md, invariant 1). Redis decides fast
+//! consumes on an instance only while its own last report to Postgres said
+//! "Redis up" and the fleet was `normal` (the *gate*); Postgres decides them
+//! only while every member has reported "Redis down" (the fleet is
+//! `redis_down`, recorded in `fleet_state`), each decision fenced by that
+//! row (see [`crate::durable::fleet`]). In between, an instance that cannot
+//! reach Redis answers 503: one slow call, one broken connection or one bad
+//! link never moves a decision out of Redis.
+//!
+//! The protocol, every `fleet.heartbeat` and at once when this instance's
+//! view of Redis changes:
+//! - **Going down.** Before an instance reports "Redis down" it closes its
+//!   gate, waits for the Redis decisions in flight, and writes the fast
+//!   consumes Redis decided for it recently to Postgres (as the journal
+//!   would), so that when the fleet turns `redis_down`, Postgres knows every
+//!   consume an instance answered.
+//! - **Agreeing.** Reports are serialised by the fleet row's lock; the
+//!   report that finds every member seen within the member timeout
+//!   (`fleet.lease + redis.timeout + 1s`) reporting down turns the fleet to
+//!   `redis_down` at a new epoch. A fleet of one agrees with itself at once.
+//! - **Coming back.** A member that reaches Redis again while the fleet is
+//!   `redis_down` writes what Postgres decided meanwhile (`redis_resync`, with
+//!   generations) to Redis, then, holding the fleet row exclusively, writes
+//!   whatever arrived since and turns the fleet `normal` in that same
+//!   transaction. Only then may an instance's gate open again.
+//! - **Lease.** A gate stays open for `fleet.lease` after the report that
+//!   opened it began, so an instance that stalls (paused, starved) stops
+//!   letting Redis decide before its peers stop counting it. A report that
+//!   fails on Postgres keeps the gate as it was: with Postgres down for the
+//!   fleet nobody can turn it `redis_down`, and Redis goes on deciding.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Opts};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::config::Settings;
+pub use crate::durable::fleet::FleetState;
+use crate::durable::fleet::{self as store, Queued};
+use crate::durable::tokens::TokenState;
+use crate::durable::DurableError;
+use crate::fast::{FastError, FastTier, JournalEntry, Marker};
+use crate::metrics::Metrics;
+use crate::token::Clock;
+
+/// A journal entry's fields.
+type Fields = Vec<(&'static str, String)>;
+
+/// How long a fast consume Redis decided is kept for the going-down flush
+/// (the journal has long applied it by then).
+const RECENT_KEEP: Duration = Duration::from_secs(30);
+/// At most this many of them are kept.
+const RECENT_LIMIT: usize = 200_000;
+
+/// This instance's view of the fleet, as of its last report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct View {
+    pub state: FleetState,
+    pub epoch: i64,
+    pub members: i64,
+    pub redis_down_members: i64,
+    /// This instance's last committed report said Redis was up.
+    pub reported_up: bool,
+    /// When that report began (`None`: no report yet).
+    confirmed: Option<Instant>,
+    /// The reports since have failed on Postgres.
+    pg_failing: bool,
+}
+
+impl View {
+    /// The reports since the last committed one have failed on Postgres.
+    pub fn postgres_failing(&self) -> bool {
+        self.pg_failing
+    }
+}
+
+struct FleetMetrics {
+    state: IntGaugeVec,
+    members: IntGauge,
+    redis_down_members: IntGauge,
+    reports: IntCounterVec,
+    episodes: IntCounterVec,
+}
+
+impl FleetMetrics {
+    fn new(metrics: &Metrics) -> FleetMetrics {
+        let state = IntGaugeVec::new(
+            Opts::new(
+                "ledger_fleet_state",
+                "The fleet's state as this instance last saw it: 1 for the current one (normal: Redis decides fast types; redis_down: every member reported Redis down and Postgres decides them).",
+            ),
+            &["state"],
+        )
+        .expect("valid metric");
+        let members = IntGauge::new(
+            "ledger_fleet_members",
+            "Instances that reported to the fleet within the member timeout, at this instance's last report.",
+        )
+        .expect("valid metric");
+        let redis_down_members = IntGauge::new(
+            "ledger_fleet_redis_down_members",
+            "Of those, how many reported Redis down.",
+        )
+        .expect("valid metric");
+        let reports = IntCounterVec::new(
+            Opts::new(
+                "ledger_fleet_reports_total",
+                "This instance's reports of its view of Redis to Postgres, by result (ok, error).",
+            ),
+            &["result"],
+        )
+        .expect("valid metric");
+        let episodes = IntCounterVec::new(
+            Opts::new(
+                "ledger_fleet_transitions_total",
+                "Fleet state changes made by this instance: to redis_down (every member reported Redis down) and to normal (what Postgres decided was written back to Redis).",
+            ),
+            &["to"],
+        )
+        .expect("valid metric");
+        for c in [
+            Box::new(state.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(members.clone()),
+            Box::new(redis_down_members.clone()),
+            Box::new(reports.clone()),
+            Box::new(episodes.clone()),
+        ] {
+            // A second ledger on the same registry (tests) keeps the first's.
+            let _ = metrics.registry.register(c);
+        }
+        for r in ["ok", "error"] {
+            reports.with_label_values(&[r]);
+        }
+        for s in FleetState::ALL {
+            episodes.with_label_values(&[s.as_str()]);
+        }
+        FleetMetrics {
+            state,
+            members,
+            redis_down_members,
+            reports,
+            episodes,
+        }
+    }
+
+    fn show(&self, v: &View) {
+        for s in FleetState::ALL {
+            self.state
+                .with_label_values(&[s.as_str()])
+                .set(i64::from(s == v.state));
+        }
+        self.members.set(v.members);
+        self.redis_down_members.set(v.redis_down_members);
+    }
+}
+
+pub struct Fleet {
+    instance: Uuid,
+    heartbeat: Duration,
+    lease: Duration,
+    member_timeout: Duration,
+    deadline: Duration,
+    pool: PgPool,
+    fast: Arc<FastTier>,
+    clock: Arc<dyn Clock>,
+    view: tokio::sync::watch::Sender<View>,
+    /// Set while the gate is closed for going down (and until an "up"
+    /// report opens it again).
+    closing: AtomicBool,
+    /// Held shared by every Redis decision in flight; exclusively by the
+    /// going-down flush, which so waits for them.
+    deciding: tokio::sync::RwLock<()>,
+    /// Fast consumes Redis decided for this instance lately, as journal
+    /// entries.
+    recent: Mutex<VecDeque<(Instant, Fields)>>,
+    nudge: tokio::sync::Notify,
+    metrics: FleetMetrics,
+}
+
+impl std::fmt::Debug for Fleet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fleet")
+            .field("instance", &self.instance)
+            .field("view", &*self.view.borrow())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A Redis decision may go ahead while this is held.
+pub struct RedisGate<'a> {
+    _held: tokio::sync::RwLockReadGuard<'a, ()>,
+}
+
+impl Fleet {
+    pub fn new(
+        settings: &Settings,
+        pool: PgPool,
+        deadline: Duration,
+        fast: Arc<FastTier>,
+        clock: Arc<dyn Clock>,
+        metrics: &Metrics,
+    ) -> Fleet {
+        let lease = settings.fleet.lease;
+        let view = View {
+            state: FleetState::Normal,
+            epoch: 0,
+            members: 0,
+            redis_down_members: 0,
+            reported_up: false,
+            confirmed: None,
+            pg_failing: false,
+        };
+        Fleet {
+            instance: Uuid::new_v4(),
+            heartbeat: settings.fleet.heartbeat,
+            lease,
+            member_timeout: lease + settings.redis.timeout + Duration::from_secs(1),
+            deadline,
+            pool,
+            fast,
+            clock,
+            view: tokio::sync::watch::channel(view).0,
+            closing: AtomicBool::new(true),
+            deciding: tokio::sync::RwLock::new(()),
+            recent: Mutex::new(VecDeque::new()),
+            nudge: tokio::sync::Notify::new(),
+            metrics: FleetMetrics::new(metrics),
+        }
+    }
+
+    /// This instance's view of the fleet.
+    pub fn view(&self) -> View {
+        *self.view.borrow()
+    }
+
+    /// Whether Redis may decide a fast consume here now; hold the gate
+    /// until its answer is in.
+    pub fn redis_may_decide(&self) -> Option<RedisGate<'_>> {
+        let v = self.view();
+        let fresh = v
+            .confirmed
+            .is_some_and(|at| v.pg_failing || at.elapsed() < self.lease);
+        if !(v.reported_up && v.state == FleetState::Normal && fresh) {
+            return None;
+        }
+        let held = self.deciding.try_read().ok()?;
+        if self.closing.load(Ordering::SeqCst) {
+            return None;
+        }
+        Some(RedisGate { _held: held })
+    }
+
+    /// Records a fast consume Redis decided (its journal entry, with the
+    /// time and generation), for the going-down flush.
+    pub fn decided_in_redis(&self, _gate: &RedisGate<'_>, entry: Fields) {
+        let now = Instant::now();
+        let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        while recent
+            .front()
+            .is_some_and(|(at, _)| now.duration_since(*at) > RECENT_KEEP)
+            || recent.len() >= RECENT_LIMIT
+        {
+            recent.pop_front();
+        }
+        recent.push_back((now, entry));
+    }
+
+    /// The epoch at which Postgres may decide a fast type now, or `None`
+    /// (answer 503). When Redis is down for this instance and the fleet has
+    /// not agreed yet, this reports at once and waits briefly for the
+    /// agreement (a fleet of one agrees at once).
+    pub async fn postgres_may_decide(&self) -> Option<i64> {
+        let v = self.view();
+        if v.state == FleetState::RedisDown {
+            return Some(v.epoch);
+        }
+        if !self.fast.is_down() {
+            return None;
+        }
+        self.nudge.notify_one();
+        let mut rx = self.view.subscribe();
+        let wait = (self.heartbeat * 2 + self.deadline).min(Duration::from_secs(2));
+        let agreed = tokio::time::timeout(wait, async {
+            rx.wait_for(|v| v.state == FleetState::RedisDown)
+                .await
+                .map(|v| v.epoch)
+                .ok()
+        })
+        .await;
+        agreed.ok().flatten()
+    }
+
+    /// Reports until `shutdown`, then leaves the fleet.
+    pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
+        let changes = self.fast.health().changes();
+        loop {
+            self.beat().await;
+            tokio::select! {
+                _ = tokio::time::sleep(self.heartbeat) => {}
+                _ = self.nudge.notified() => {}
+                _ = changes.notified() => {}
+                _ = shutdown.cancelled() => break,
+            }
+        }
+        if let Err(e) = self.bounded(store::leave(&self.pool, self.instance)).await {
+            tracing::warn!(error = %e, "could not leave the fleet: peers wait out the member timeout");
+        }
+    }
+
+    async fn bounded<T>(
+        &self,
+        f: impl std::future::Future<Output = Result<T, DurableError>>,
+    ) -> Result<T, DurableError> {
+        match tokio::time::timeout(self.deadline, f).await {
+            Ok(out) => out,
+            Err(_) => Err(DurableError::TimedOut(self.deadline)),
+        }
+    }
+
+    /// One report (see the module docs).
+    pub async fn beat(&self) {
+        let up = !self.fast.is_down();
+        if !up && !self.go_down().await {
+            return;
+        }
+        let started = Instant::now();
+        let report = self
+            .bounded(store::report(
+                &self.pool,
+                self.instance,
+                up,
+                self.member_timeout,
+            ))
+            .await;
+        let r = match report {
+            Ok(r) => r,
+            Err(e) => {
+                self.metrics.reports.with_label_values(&["error"]).inc();
+                tracing::debug!(error = %e, "fleet report failed");
+                self.view.send_modify(|v| v.pg_failing = true);
+                return;
+            }
+        };
+        self.metrics.reports.with_label_values(&["ok"]).inc();
+        let before = self.view();
+        if r.flipped {
+            self.metrics
+                .episodes
+                .with_label_values(&[FleetState::RedisDown.as_str()])
+                .inc();
+            tracing::warn!(
+                epoch = r.epoch,
+                members = r.members,
+                "fleet: every member reports redis down; postgres decides fast types"
+            );
+        } else if r.state != before.state && before.confirmed.is_some() {
+            tracing::warn!(
+                fleet = r.state.as_str(),
+                epoch = r.epoch,
+                "fleet state changed"
+            );
+        }
+        if up && r.state == FleetState::Normal {
+            self.closing.store(false, Ordering::SeqCst);
+        }
+        let view = View {
+            state: r.state,
+            epoch: r.epoch,
+            members: r.members,
+            redis_down_members: r.redis_down_members,
+            reported_up: up,
+            confirmed: Some(started),
+            pg_failing: false,
+        };
+        self.metrics.show(&view);
+        self.view.send_replace(view);
+        if up && r.state == FleetState::RedisDown {
+            self.end_episode(r.epoch).await;
+        }
+    }
+
+    /// Closes the gate, waits for the Redis decisions in flight and writes
+    /// the recent ones to Postgres; `false` when that write failed (the
+    /// report waits: reporting down now could let the fleet decide without
+    /// them).
+    async fn go_down(&self) -> bool {
+        self.closing.store(true, Ordering::SeqCst);
+        let _all = self.deciding.write().await;
+        let entries: Vec<JournalEntry> = {
+            let recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+            recent
+                .iter()
+                .enumerate()
+                .map(|(i, (_, fields))| JournalEntry {
+                    id: format!("recent-{i}"),
+                    fields: fields
+                        .iter()
+                        .map(|(k, v)| ((*k).to_owned(), v.clone().into_bytes()))
+                        .collect(),
+                })
+                .collect()
+        };
+        if entries.is_empty() {
+            return true;
+        }
+        match self
+            .bounded(crate::journal::apply_entries(&self.pool, &entries))
+            .await
+        {
+            Ok(()) => {
+                tracing::info!(
+                    entries = entries.len(),
+                    "fleet: this instance's recent redis decisions are in postgres"
+                );
+                self.recent
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clear();
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "fleet: recent redis decisions not written to postgres; not reporting redis down yet");
+                false
+            }
+        }
+    }
+
+    /// Writes what Postgres decided during the episode to Redis, then ends
+    /// it in the transaction that holds the fleet row (see the module docs).
+    async fn end_episode(&self, epoch: i64) {
+        let mut written: HashSet<(i64, i64)> = HashSet::new();
+        let first = async {
+            let mut conn = self.pool.acquire().await?;
+            store::queued(&mut conn, epoch).await
+        };
+        match self.bounded(first).await {
+            Ok(rows) => {
+                if self.write_back(&rows, &mut written).await.is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "fleet: reading the decisions for redis failed");
+                return;
+            }
+        }
+        let tx = match self.bounded(store::begin_return(&self.pool, epoch)).await {
+            Ok(Some(tx)) => tx,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::debug!(error = %e, "fleet: could not lock the fleet to end the episode");
+                return;
+            }
+        };
+        let mut tx = tx;
+        let rest = match tokio::time::timeout(self.deadline, store::queued(&mut tx, epoch)).await {
+            Ok(Ok(rows)) => rows,
+            _ => return,
+        };
+        if self.write_back(&rest, &mut written).await.is_err() {
+            return;
+        }
+        match self.bounded(store::finish_return(tx, epoch)).await {
+            Ok(next) => {
+                self.metrics
+                    .episodes
+                    .with_label_values(&[FleetState::Normal.as_str()])
+                    .inc();
+                tracing::info!(
+                    epoch = next,
+                    written = written.len(),
+                    "fleet: redis is back and holds what postgres decided; redis decides fast types again"
+                );
+                self.nudge.notify_one();
+            }
+            Err(e) => tracing::warn!(error = %e, "fleet: ending the episode failed; retried"),
+        }
+    }
+
+    /// Writes queued decisions (not written yet) to Redis at their
+    /// generations.
+    async fn write_back(
+        &self,
+        rows: &[Queued],
+        written: &mut HashSet<(i64, i64)>,
+    ) -> Result<(), FastError> {
+        for q in rows {
+            if written.contains(&(q.id, q.state.gen)) {
+                continue;
+            }
+            let e = &q.state;
+            let done = match e.state {
+                TokenState::Consumed => self
+                    .fast
+                    .write_consumed(&q.handle, e.gen, &Marker::from(e))
+                    .await
+                    .map(|_| ()),
+                TokenState::Issued => {
+                    let remaining = e.expires_at.timestamp_millis() - self.clock.now_ms();
+                    self.fast
+                        .write_issued(&q.handle, e.gen, remaining)
+                        .await
+                        .map(|_| ())
+                }
+            };
+            if let Err(err) = done {
+                tracing::debug!(error = %err, "fleet: a decision not written to redis; the episode goes on");
+                return Err(err);
+            }
+            written.insert((q.id, e.gen));
+        }
+        Ok(())
+    }
+}
