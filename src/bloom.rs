@@ -15,11 +15,20 @@
 //!   start, and after the listening connection was lost, it loads the ids
 //!   from the `tokens` table, after listening again, so nothing falls in
 //!   between.
+//! - **Issuance marks** ([`crate::issuance`]): every lease publishes how far
+//!   its tokens' records are committed, on a second channel after the ids
+//!   of the same statement, and the marks are read again every
+//!   [`MARK_REREAD`] (the ids a read shows recorded are loaded before its
+//!   marks apply).
 //! - **What it decides** ([`Verdict`]): a token the filter knows goes on; an
 //!   unknown token younger than `bloom.grace` (propagation delay, clock skew)
 //!   goes on too; so does a token older than the horizon, and every token
 //!   while the filter is not synced (listener down or not loaded yet: fail
-//!   open, the tiers still decide). Everything else is `token_invalid`.
+//!   open, the tiers still decide). An unknown token above its lease's mark
+//!   goes on (its record may be late: a slow Postgres link, a backed-up
+//!   writer, an issuer killed before its flush). Everything else (at or
+//!   below the mark, from beyond the grace in the future, of a worker id no
+//!   lease covers) is `token_invalid`.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,7 +40,8 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{BloomSettings, PostgresSettings};
-use crate::durable::{bloom as sql, Pools};
+use crate::durable::{bloom as sql, marks as marks_sql, Pools};
+use crate::issuance::{Mark, MarkBook, MarkSays};
 use crate::metrics::Metrics;
 use crate::token::{Clock, SnowflakeId};
 
@@ -46,6 +56,9 @@ pub enum Verdict {
     /// Outside what the filter covers (older than the horizon, or the filter
     /// is disabled or not synced): the tiers decide.
     Uncovered,
+    /// Unknown, but above its lease's issuance mark: its record has not
+    /// committed yet. The tiers decide.
+    Unrecorded,
     /// Never issued: refuse without I/O.
     Rejected,
 }
@@ -56,6 +69,7 @@ impl Verdict {
             Verdict::Known => "known",
             Verdict::Young => "young",
             Verdict::Uncovered => "uncovered",
+            Verdict::Unrecorded => "unrecorded",
             Verdict::Rejected => "rejected",
         }
     }
@@ -106,6 +120,8 @@ pub struct IssuedFilter {
     synced: AtomicBool,
     /// A filter could not be allocated: fail open from then on.
     broken: AtomicBool,
+    /// Every lease's issuance mark as far as we know it.
+    marks: RwLock<MarkBook>,
     metrics: Arc<Metrics>,
 }
 
@@ -132,6 +148,7 @@ impl IssuedFilter {
             generations: RwLock::new(BTreeMap::new()),
             synced: AtomicBool::new(false),
             broken: AtomicBool::new(false),
+            marks: RwLock::new(MarkBook::default()),
             metrics,
         }
     }
@@ -244,7 +261,54 @@ impl IssuedFilter {
         if !self.is_synced() {
             return Verdict::Uncovered;
         }
-        Verdict::Rejected
+        // Nobody issues from further in the future than the grace.
+        if ts > now_ms.saturating_add(self.grace_ms) {
+            return Verdict::Rejected;
+        }
+        let says = self
+            .marks
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .says(id, self.grace_ms);
+        match says {
+            MarkSays::Recorded | MarkSays::NoLease => Verdict::Rejected,
+            MarkSays::Pending | MarkSays::Unknown => Verdict::Unrecorded,
+        }
+    }
+
+    /// A notified mark (its ids came before it on the same connection).
+    pub fn raise_mark(&self, mark: Mark) {
+        self.marks
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .raise(mark);
+    }
+
+    /// The milliseconds `(after, up_to]` whose ids must be loaded before
+    /// `rows` (a full read of the marks) may apply.
+    pub fn marks_behind(&self, rows: &[Mark]) -> Option<(i64, i64)> {
+        self.marks
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .behind(rows)
+    }
+
+    /// Applies a full read of the marks that started at `read_at_ms`, once
+    /// the ids it shows recorded are in the filter.
+    pub fn apply_marks(&self, rows: &[Mark], read_at_ms: i64) {
+        let mut book = self.marks.write().unwrap_or_else(|p| p.into_inner());
+        for row in rows {
+            book.raise(*row);
+        }
+        book.read_at(read_at_ms);
+    }
+
+    /// The marks as we know them (tests and logs).
+    pub fn mark_of(&self, lease: crate::issuance::LeaseKey) -> Option<i64> {
+        self.marks
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .mark_of(lease)
     }
 
     /// Drops generations wholly older than the horizon and updates the
@@ -256,6 +320,10 @@ impl IssuedFilter {
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .retain(|w, _| *w >= oldest);
+        self.marks
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .prune(now_ms.saturating_sub(self.horizon_ms));
         // Counting bits takes a moment: under the read lock, so checks go on.
         let gens = self.generations.read().unwrap_or_else(|p| p.into_inner());
         let (mut fill, mut fp, mut items) = (0.0f64, 0.0f64, 0usize);
@@ -292,6 +360,85 @@ impl IssuedFilter {
 /// notifications of records committed while we were not listening are gone,
 /// and their ids can be older than the moment of the loss by the writer's lag.
 const RELOAD_MARGIN: Duration = Duration::from_secs(300);
+
+/// How often the marks are read again besides their notifications (a
+/// backup: a notification is lost with the listening connection).
+pub const MARK_REREAD: Duration = Duration::from_secs(5);
+
+/// Reads every lease's mark, loads the ids that the read shows recorded
+/// while we did not know it (with `since_ms`: every id from then on, too),
+/// then applies the marks: a mark never applies before its ids. Returns how
+/// many ids were loaded.
+async fn read_marks(
+    filter: &IssuedFilter,
+    pools: &Pools,
+    clock: &dyn Clock,
+    since_ms: Option<i64>,
+) -> Result<u64, crate::durable::DurableError> {
+    let read_at = clock.now_ms();
+    let rows = marks_sql::load(&pools.admin).await?;
+    let now = clock.now_ms();
+    let oldest = now.saturating_sub(filter.horizon_ms);
+    let newest = now.saturating_add(filter.generation_ms);
+    let insert = |ids: &[i64]| filter.insert_many(ids.iter().map(|&id| id as u64), clock.now_ms());
+    let loaded = match (since_ms, filter.marks_behind(&rows)) {
+        (Some(since), behind) => {
+            let from = behind
+                .map_or(since, |(after, _)| since.min(after.saturating_add(1)))
+                .max(oldest);
+            let from = SnowflakeId::from_parts(from, 0, 0).as_i64();
+            sql::load_since(&pools.admin, from, insert).await?
+        }
+        (None, Some((after, up_to))) => {
+            let from = after.saturating_add(1).max(oldest);
+            let until = up_to.min(newest).saturating_add(1);
+            if from < until {
+                sql::load_between(
+                    &pools.admin,
+                    SnowflakeId::from_parts(from, 0, 0).as_i64(),
+                    SnowflakeId::from_parts(until, 0, 0).as_i64(),
+                    insert,
+                )
+                .await?
+            } else {
+                0
+            }
+        }
+        (None, None) => 0,
+    };
+    filter.apply_marks(&rows, read_at);
+    Ok(loaded)
+}
+
+/// Reads the marks again every [`MARK_REREAD`] while the filter is synced
+/// (the listener's own load reads them when it (re)connects).
+pub async fn reread_marks(
+    filter: Arc<IssuedFilter>,
+    pools: Pools,
+    clock: Arc<dyn Clock>,
+    shutdown: CancellationToken,
+) {
+    if !filter.is_enabled() {
+        return;
+    }
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(MARK_REREAD) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        if !filter.is_synced() {
+            continue;
+        }
+        match read_marks(&filter, &pools, clock.as_ref(), None).await {
+            Ok(0) => {}
+            Ok(loaded) => tracing::debug!(
+                loaded,
+                "issuance marks read: ids their notifications had not brought yet"
+            ),
+            Err(e) => tracing::debug!(error = %e, "issuance marks not read again; next round"),
+        }
+    }
+}
 
 /// Keeps the filter in step with the fleet until `shutdown`: listens on the
 /// channel (its own connection, never one of the request pools'), loads the
@@ -331,11 +478,7 @@ pub async fn run(
         filter.set_synced(false);
         let attempt = async {
             let listener = sql::listen(&listen_pool).await?;
-            let from = SnowflakeId::from_parts(since_ms, 0, 0).as_i64();
-            let loaded = sql::load_since(&pools.admin, from, |ids| {
-                filter.insert_many(ids.iter().map(|&id| id as u64), clock.now_ms())
-            })
-            .await?;
+            let loaded = read_marks(&filter, &pools, clock.as_ref(), Some(since_ms)).await?;
             Ok::<_, crate::durable::DurableError>((listener, loaded))
         };
         let outcome = tokio::select! {
@@ -372,6 +515,12 @@ pub async fn run(
                 _ = shutdown.cancelled() => return,
             };
             match next {
+                Ok(Some(note)) if note.channel() == marks_sql::CHANNEL => {
+                    match marks_sql::decode(note.payload()) {
+                        Some(mark) => filter.raise_mark(mark),
+                        None => tracing::warn!("unreadable issuance mark notification ignored"),
+                    }
+                }
                 Ok(Some(note)) => match sql::decode(note.payload()) {
                     Some(ids) => filter.insert_many(ids, clock.now_ms()),
                     None => tracing::warn!("unreadable issuance notification ignored"),
@@ -443,6 +592,10 @@ mod tests {
         // Not synced: unknown tokens are not refused.
         assert_eq!(f.check(id(NOW - 30_000, 2), NOW), Verdict::Uncovered);
         f.set_synced(true);
+        // Synced, marks not read yet: a lease may exist that we do not know.
+        assert_eq!(f.check(id(NOW - 30_000, 2), NOW), Verdict::Unrecorded);
+        // The marks read: no lease covers worker 1 before now.
+        f.apply_marks(&[], NOW);
         assert_eq!(f.check(issued, NOW), Verdict::Known);
         assert_eq!(f.check(id(NOW - 30_000, 2), NOW), Verdict::Rejected);
         // Within the grace, either side of now.
@@ -461,10 +614,68 @@ mod tests {
     }
 
     #[test]
+    fn unknown_ids_are_refused_only_at_or_below_their_leases_mark() {
+        use crate::issuance::{LeaseKey, ENDED};
+        let f = IssuedFilter::new(settings(1000), Arc::new(Metrics::new()));
+        f.set_synced(true);
+        let lease = LeaseKey {
+            worker_id: 1,
+            from_ms: NOW - 120_000,
+        };
+        // The issuer's records are committed up to 10 s ago.
+        f.apply_marks(
+            &[Mark {
+                lease,
+                mark_ms: NOW - 10_000,
+            }],
+            NOW - 60_000,
+        );
+        // A real token whose record is late (5 s old, past the grace): on.
+        assert_eq!(f.check(id(NOW - 5_000, 1), NOW), Verdict::Unrecorded);
+        // A valid tag on an id the fleet never issued, below the mark: refused.
+        assert_eq!(f.check(id(NOW - 30_000, 9), NOW), Verdict::Rejected);
+        // Before the lease started, no lease covers it: refused.
+        assert_eq!(f.check(id(NOW - 130_000, 9), NOW), Verdict::Rejected);
+        // The mark rises with the record (its id notified first).
+        f.insert(id(NOW - 5_000, 1), NOW);
+        f.raise_mark(Mark {
+            lease,
+            mark_ms: NOW - 3_000,
+        });
+        assert_eq!(f.check(id(NOW - 5_000, 1), NOW), Verdict::Known);
+        assert_eq!(f.check(id(NOW - 5_000, 2), NOW), Verdict::Rejected);
+        // A mark below what we know changes nothing.
+        f.raise_mark(Mark {
+            lease,
+            mark_ms: NOW - 20_000,
+        });
+        assert_eq!(f.check(id(NOW - 5_000, 2), NOW), Verdict::Rejected);
+        // A worker id we hear no lease of: refused unless a lease may have
+        // started since the last read (within the grace of it).
+        let other = SnowflakeId::from_parts(NOW - 65_000, 7, 0);
+        assert_eq!(f.check(other, NOW), Verdict::Rejected);
+        let recent = SnowflakeId::from_parts(NOW - 59_000, 7, 0);
+        let f2 = IssuedFilter::new(settings(1000), Arc::new(Metrics::new()));
+        f2.set_synced(true);
+        f2.apply_marks(&[], NOW - 60_000);
+        assert_eq!(f2.check(recent, NOW), Verdict::Unrecorded);
+        // Beyond the grace in the future: nobody issued it, mark or not.
+        assert_eq!(f.check(id(NOW + 60_000, 1), NOW), Verdict::Rejected);
+        // A lease ended cleanly: every unknown id of it is refused.
+        f.raise_mark(Mark {
+            lease,
+            mark_ms: ENDED,
+        });
+        assert_eq!(f.check(id(NOW - 2_500, 3), NOW), Verdict::Rejected);
+        // The verdict costs no I/O: it is synchronous, on memory only.
+    }
+
+    #[test]
     fn generations_rotate_and_never_fill() {
         let metrics = Arc::new(Metrics::new());
         let f = IssuedFilter::new(settings(1000), metrics.clone());
         f.set_synced(true);
+        f.apply_marks(&[], NOW);
         // 5000 ids in one window: the generation grows parts instead of filling.
         let ids: Vec<u64> = (0..5000).map(|i| id(NOW - 10_000, i).0).collect();
         f.insert_many(ids.iter().copied(), NOW);

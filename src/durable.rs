@@ -3,9 +3,9 @@
 //! versioned apply, [`lease`] for snowflake worker ids,
 //! [`setup`] for database creation, migrations and start-up checks,
 //! [`admin`] for audit queries and stats, [`reconcile`] for reconciliation,
-//! [`bloom`] for the issued-token filter's channel and load, [`usage`] for
-//! the pools' use as metrics, [`batch`] for the group commit of durable
-//! consumes).
+//! [`bloom`] for the issued-token filter's channel and load, [`marks`] for
+//! the issuance marks, [`usage`] for the pools' use as metrics, [`batch`]
+//! for the group commit of durable consumes).
 //! Every hot statement touches one token or one order key.
 
 pub mod admin;
@@ -15,6 +15,7 @@ pub mod fleet;
 pub mod journal;
 pub mod keys;
 pub mod lease;
+pub mod marks;
 pub mod orders;
 pub mod reconcile;
 pub mod setup;

@@ -2,9 +2,12 @@
 //! renewed in the background. When it cannot be renewed in time, issuing
 //! stops (503) rather than risk another instance making the same ids; when it
 //! turns out to be lost, a fresh worker id is leased and issuing resumes.
+//! Each holding is a lease of its own ([`LeaseIds`]: its ids and the ones
+//! whose records are still owed), with its issuance mark in Postgres (see
+//! [`crate::issuance`]).
 
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use sqlx::PgPool;
@@ -12,14 +15,21 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::durable::{lease, DurableError};
-use crate::token::{Clock, IdGenerator, SnowflakeId};
+use crate::issuance::LeaseIds;
+use crate::token::{Clock, SnowflakeId};
 
 #[derive(Debug)]
 pub struct WorkerLease {
     holder: Uuid,
     /// Replaced when the lease is lost and a new worker id is taken.
-    ids: RwLock<Arc<IdGenerator>>,
+    ids: RwLock<Arc<LeaseIds>>,
+    /// Replaced leases whose records may still be owed; the writer ends
+    /// their marks once they are drained.
+    retired: Mutex<Vec<Arc<LeaseIds>>>,
     ttl: Duration,
+    /// How long a lease's mark row is kept without updates (twice the
+    /// filter's horizon): pruned by the next acquire.
+    marks_kept: Duration,
     /// Local (clock) ms until which the lease is surely ours.
     valid_until_ms: AtomicI64,
     clock: Arc<dyn Clock>,
@@ -39,25 +49,28 @@ impl WorkerLease {
     pub async fn acquire(
         pool: &PgPool,
         ttl: Duration,
+        marks_kept: Duration,
         clock: Arc<dyn Clock>,
     ) -> Result<Arc<WorkerLease>, LeaseError> {
         let holder = Uuid::new_v4();
         let started = clock.now_ms();
-        let taken = lease::acquire(pool, holder, ttl)
+        let taken = lease::acquire(pool, holder, ttl, started, marks_kept)
             .await?
             .ok_or(LeaseError::Exhausted)?;
         let floor = taken.floor_ms.max(0);
         tracing::info!(worker_id = taken.worker_id, "leased snowflake worker id");
         Ok(Arc::new(WorkerLease {
             holder,
-            ids: RwLock::new(Arc::new(IdGenerator::new(taken.worker_id, floor))),
+            ids: RwLock::new(Arc::new(LeaseIds::new(taken.worker_id, floor, holder))),
+            retired: Mutex::new(Vec::new()),
             ttl,
+            marks_kept,
             valid_until_ms: AtomicI64::new(started + trusted_ms(ttl)),
             clock,
         }))
     }
 
-    fn ids(&self) -> Arc<IdGenerator> {
+    fn ids(&self) -> Arc<LeaseIds> {
         self.ids.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
@@ -65,13 +78,43 @@ impl WorkerLease {
         self.ids().worker()
     }
 
-    /// The next id, or `None` when the lease may have lapsed.
-    pub fn next_id(&self) -> Option<SnowflakeId> {
+    /// Who holds the leases (the same for every lease of this instance).
+    pub fn holder(&self) -> Uuid {
+        self.holder
+    }
+
+    /// The next id and the lease it belongs to (its record is owed to it
+    /// until committed or abandoned), or `None` when the lease may have
+    /// lapsed.
+    pub fn allocate(&self) -> Option<(SnowflakeId, Arc<LeaseIds>)> {
         let now = self.clock.now_ms();
         if now >= self.valid_until_ms.load(Ordering::Acquire) {
             return None;
         }
-        Some(self.ids().next(now))
+        let ids = self.ids();
+        let id = ids.allocate(now)?;
+        Some((id, ids))
+    }
+
+    /// The current lease, then the replaced ones not ended yet.
+    pub fn leases(&self) -> Vec<Arc<LeaseIds>> {
+        let mut all = vec![self.ids()];
+        all.extend(
+            self.retired
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .cloned(),
+        );
+        all
+    }
+
+    /// A replaced lease's mark is ended: forget it.
+    pub fn forget_retired(&self, lease: &Arc<LeaseIds>) {
+        self.retired
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|l| !Arc::ptr_eq(l, lease));
     }
 
     /// The mark the next holder must start above: nothing this holder makes
@@ -130,10 +173,21 @@ impl WorkerLease {
     /// Takes a fresh worker id after the old lease was lost.
     async fn lease_again(&self, pool: &PgPool) {
         let started = self.clock.now_ms();
-        match lease::acquire(pool, self.holder, self.ttl).await {
+        match lease::acquire(pool, self.holder, self.ttl, started, self.marks_kept).await {
             Ok(Some(taken)) => {
-                let ids = Arc::new(IdGenerator::new(taken.worker_id, taken.floor_ms.max(0)));
-                *self.ids.write().unwrap_or_else(|p| p.into_inner()) = ids;
+                let ids = Arc::new(LeaseIds::new(
+                    taken.worker_id,
+                    taken.floor_ms.max(0),
+                    self.holder,
+                ));
+                let old = std::mem::replace(
+                    &mut *self.ids.write().unwrap_or_else(|p| p.into_inner()),
+                    ids,
+                );
+                self.retired
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(old);
                 self.valid_until_ms
                     .store(started + trusted_ms(self.ttl), Ordering::Release);
                 tracing::warn!(

@@ -11,6 +11,8 @@
 //! - [`token`]: the token codec, HMAC tags, snowflake ids, the clock. Pure.
 //! - [`bloom`]: the fleet-wide filter of issued token ids (forgeries refused without I/O).
 //! - [`lease`]: the snowflake worker id this instance holds.
+//! - [`issuance`]: issuance marks, how far each lease's tokens are known to
+//!   Postgres (the issuer's owed ids, the peers' view of the marks).
 //! - [`fast`]: the Redis tier and its Lua scripts (`fast/`: `conn`, `call`,
 //!   `consume`, `write`, `health`, `journal`, `scan`; scripts in `lua/`).
 //! - [`health`]: Redis's breaker, latency window and the mode (normal, degraded, redis_down).
@@ -59,6 +61,7 @@ pub mod fast;
 pub mod fleet;
 pub mod health;
 pub mod http;
+pub mod issuance;
 pub mod journal;
 pub mod lease;
 pub mod ledger;

@@ -102,15 +102,20 @@ impl Application {
             None => tracing::warn!("could not read redis maxmemory-policy (redis down or cluster)"),
         }
 
-        let lease =
-            WorkerLease::acquire(&pools.hot, settings.tokens.worker_lease_ttl, clock.clone())
-                .await
-                .context("leasing a snowflake worker id")?;
+        let lease = WorkerLease::acquire(
+            &pools.hot,
+            settings.tokens.worker_lease_ttl,
+            settings.bloom.horizon * 2,
+            clock.clone(),
+        )
+        .await
+        .context("leasing a snowflake worker id")?;
         let (writer, writer_rx) = writer::writer(
             settings.tokens.issue_buffer,
             pools.hot.clone(),
             metrics.clone(),
             clock.clone(),
+            lease.clone(),
         );
         let ledger = Arc::new(Ledger::new(
             settings.clone(),
@@ -147,6 +152,12 @@ impl Application {
             clock.clone(),
             shutdown.clone(),
             bloom_ready,
+        )));
+        tasks.push(tokio::spawn(bloom::reread_marks(
+            ledger.bloom().clone(),
+            pools.clone(),
+            clock.clone(),
+            shutdown.clone(),
         )));
         tasks.push(tokio::spawn(bloom::maintain(
             ledger.bloom().clone(),

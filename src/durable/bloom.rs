@@ -63,12 +63,15 @@ pub fn listen_pool(settings: &PostgresSettings) -> Result<PgPool, sqlx::Error> {
         .connect_lazy_with(connect_options(settings)?))
 }
 
-/// Connects and `LISTEN`s. A lost connection shows as `Ok(None)` from
+/// Connects and `LISTEN`s, to the ids and to the issuance marks
+/// ([`super::marks::CHANNEL`]). A lost connection shows as `Ok(None)` from
 /// `try_recv` (no silent reconnect: the caller must reload what it missed).
 pub async fn listen(pool: &PgPool) -> Result<PgListener, DurableError> {
     let mut listener = PgListener::connect_with(pool).await?;
     listener.eager_reconnect(false);
-    listener.listen(CHANNEL).await?;
+    listener
+        .listen_all([CHANNEL, super::marks::CHANNEL])
+        .await?;
     Ok(listener)
 }
 
@@ -76,17 +79,29 @@ pub async fn listen(pool: &PgPool) -> Result<PgListener, DurableError> {
 pub async fn load_since(
     pool: &PgPool,
     from_id: i64,
+    sink: impl FnMut(&[i64]),
+) -> Result<u64, DurableError> {
+    load_between(pool, from_id, i64::MAX, sink).await
+}
+
+/// Feeds `sink` every token id in `from_id..until_id`, in pages; returns how many.
+pub async fn load_between(
+    pool: &PgPool,
+    from_id: i64,
+    until_id: i64,
     mut sink: impl FnMut(&[i64]),
 ) -> Result<u64, DurableError> {
     let mut next = from_id;
     let mut total = 0u64;
     loop {
-        let ids: Vec<i64> =
-            sqlx::query_scalar("SELECT id FROM tokens WHERE id >= $1 ORDER BY id LIMIT $2")
-                .bind(next)
-                .bind(LOAD_PAGE)
-                .fetch_all(pool)
-                .await?;
+        let ids: Vec<i64> = sqlx::query_scalar(
+            "SELECT id FROM tokens WHERE id >= $1 AND id < $3 ORDER BY id LIMIT $2",
+        )
+        .bind(next)
+        .bind(LOAD_PAGE)
+        .bind(until_id)
+        .fetch_all(pool)
+        .await?;
         total += ids.len() as u64;
         sink(&ids);
         match ids.last() {

@@ -378,7 +378,17 @@ pub async fn release_with(
 /// token gets one `token.issued` event however often the batch is retried.
 /// The rows are written in id order, as a batch of consumes locks them
 /// (`super::batch`), so the two never deadlock.
-pub async fn insert_issued(pool: &PgPool, batch: &[TokenRecord]) -> Result<(), DurableError> {
+/// The same statement raises `marks`, the issuance marks of `holder`'s
+/// leases that these records let rise (see [`crate::issuance`]), and
+/// notifies them on [`super::marks::CHANNEL`] after the ids (`ORDER BY`:
+/// Postgres evaluates a volatile output expression after the sort), so a
+/// peer has the ids of a mark before the mark.
+pub async fn insert_issued(
+    pool: &PgPool,
+    batch: &[TokenRecord],
+    holder: uuid::Uuid,
+    marks: &[crate::issuance::Mark],
+) -> Result<(), DurableError> {
     if batch.is_empty() {
         return Ok(());
     }
@@ -402,7 +412,8 @@ pub async fn insert_issued(pool: &PgPool, batch: &[TokenRecord]) -> Result<(), D
         issued.push(r.issued_at);
         expires.push(r.expires_at);
     }
-    sqlx::query(
+    let (mark_workers, mark_froms, mark_values) = super::marks::columns(marks);
+    sqlx::query(&format!(
         r#"
         WITH r AS (
             SELECT * FROM UNNEST($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[],
@@ -418,10 +429,23 @@ pub async fn insert_issued(pool: &PgPool, batch: &[TokenRecord]) -> Result<(), D
                    jsonb_build_object('expires_at', expires_at, 'durability', durability)
               FROM r
             ON CONFLICT (token_id) WHERE kind = 'token.issued' DO NOTHING
+        ), m AS (
+            SELECT * FROM UNNEST($11::int[], $12::bigint[], $13::bigint[]) AS m(worker_id, from_ms, mark_ms)
+        ), up AS (
+            UPDATE issuance_marks i SET mark_ms = m.mark_ms, updated_at = now()
+              FROM m
+             WHERE i.worker_id = m.worker_id AND i.from_ms = m.from_ms AND i.holder = $14
+               AND i.mark_ms < m.mark_ms
+            RETURNING i.worker_id, i.from_ms, i.mark_ms
+        ), notes AS (
+            SELECT 0 AS o, $9::text AS channel, p AS payload FROM UNNEST($10::text[]) AS p
+            UNION ALL
+            SELECT 1, $15::text, {payload} FROM up
         )
-        SELECT pg_notify($9, p) FROM UNNEST($10::text[]) AS p
+        SELECT pg_notify(channel, payload) FROM notes ORDER BY o
         "#,
-    )
+        payload = super::marks::PAYLOAD_SQL,
+    ))
     .bind(&ids)
     .bind(&tokens)
     .bind(&biz)
@@ -432,6 +456,11 @@ pub async fn insert_issued(pool: &PgPool, batch: &[TokenRecord]) -> Result<(), D
     .bind(&expires)
     .bind(super::bloom::CHANNEL)
     .bind(super::bloom::encode(&ids))
+    .bind(&mark_workers)
+    .bind(&mark_froms)
+    .bind(&mark_values)
+    .bind(holder)
+    .bind(super::marks::CHANNEL)
     .execute(pool)
     .await?;
     Ok(())

@@ -251,7 +251,7 @@ impl Ledger {
                 tracing::debug!(token = %token.redacted(), "token refused: never issued by this fleet");
                 Err(LedgerError::TokenInvalid)
             }
-            Verdict::Known | Verdict::Young | Verdict::Uncovered => Ok(()),
+            Verdict::Known | Verdict::Young | Verdict::Uncovered | Verdict::Unrecorded => Ok(()),
         }
     }
 

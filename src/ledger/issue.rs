@@ -102,9 +102,9 @@ impl Ledger {
                 .inc();
             return Err(LedgerError::RateLimited { retry_after_secs });
         }
-        let id = self
+        let (id, lease) = self
             .lease
-            .next_id()
+            .allocate()
             .ok_or_else(|| LedgerError::Unavailable {
                 what: "token issuing (worker-id lease not renewed)",
                 retry_after_secs: 1,
@@ -112,14 +112,20 @@ impl Ledger {
             })?;
         let now_ms = self.clock.now_ms();
         // Known to this instance's filter before anyone can present it; the
-        // fleet hears of it when the issuance record commits.
+        // fleet hears of it when the issuance record commits, and until then
+        // the id is above this lease's issuance mark (outstanding from
+        // `allocate` until the record commits), so no peer refuses it.
         self.bloom.insert(id, now_ms);
         // Whole seconds in the token, rounded up: the token never lives less than asked.
         let exp_secs = (now_ms + ms(Duration::from_secs(ttl)) + 999) / 1000;
+        let Ok(exp) = u32::try_from(exp_secs) else {
+            lease.abandon(id);
+            return Err(anyhow::anyhow!("expiry beyond 2106").into());
+        };
         let claims = Claims {
             biz_type: biz.clone(),
             id,
-            exp: u32::try_from(exp_secs).map_err(|_| anyhow::anyhow!("expiry beyond 2106"))?,
+            exp,
         };
         let token = self.codec.sign(&claims, &caller.name, subject.as_str());
         let expires_at = ms_to_time(claims.expires_at_ms()).unwrap_or_else(|| self.clock.now());
@@ -138,7 +144,8 @@ impl Ledger {
         // row `token.issued` and what tells the fleet's bloom filters the
         // token is genuine, so a token whose record cannot be kept is not
         // issued at all, whatever its durability.
-        if !self.writer.issued(record) {
+        if !self.writer.issued(record, &lease) {
+            lease.abandon(id);
             return Err(LedgerError::Unavailable {
                 what: "postgres (issuance buffer full)",
                 retry_after_secs: 1,

@@ -80,6 +80,19 @@ impl IdGenerator {
             .unwrap_or_else(|p| p.into_inner().last_ms)
     }
 
+    /// Closes the milliseconds up to `now_ms` (or up to the last one used,
+    /// if later) and returns that millisecond: no id made afterwards carries
+    /// it or an earlier one. What an issuance mark needs: the ids below the
+    /// returned millisecond are all made already.
+    pub fn seal(&self, now_ms: i64) -> i64 {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if now_ms > s.last_ms {
+            s.last_ms = now_ms;
+        }
+        s.sequence = MAX_SEQUENCE;
+        s.last_ms
+    }
+
     pub fn next(&self, now_ms: i64) -> SnowflakeId {
         // A poisoned lock only means another thread panicked while holding it;
         // the state is two integers that are always consistent.
@@ -126,6 +139,24 @@ mod tests {
             assert!(seen.insert(id));
             last = id;
         }
+    }
+
+    #[test]
+    fn a_sealed_millisecond_gets_no_more_ids() {
+        let base = EPOCH_MS + 1_000;
+        let g = IdGenerator::new(2, 0);
+        let first = g.next(base);
+        assert_eq!(g.seal(base), base);
+        // Same millisecond again: the next id moves on.
+        assert!(g.next(base).timestamp_ms() > base);
+        // Sealing at a later clock closes everything up to it.
+        assert_eq!(g.seal(base + 50), base + 50);
+        assert!(g.next(base + 10).timestamp_ms() > base + 50);
+        // A clock behind the last id seals the last id's millisecond.
+        let last = g.high_water_ms();
+        assert_eq!(g.seal(base), last);
+        assert!(g.next(base).timestamp_ms() > last);
+        assert!(first.timestamp_ms() == base);
     }
 
     #[test]

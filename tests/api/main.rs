@@ -10,6 +10,7 @@ mod concurrency;
 mod consume;
 mod deploy_kit;
 mod docs_links;
+mod durability;
 mod faults;
 mod fleet;
 mod helpers;
