@@ -307,7 +307,7 @@ async fn one_batch_statement_answers_each_item_as_the_single_statement_does() {
     for base in [100, 200] {
         for (rec, prior) in cases(base) {
             let Some(prior) = prior else { continue };
-            tokens::insert_issued(&pg, std::slice::from_ref(&rec))
+            tokens::insert_issued(&pg, std::slice::from_ref(&rec), uuid::Uuid::nil(), &[])
                 .await
                 .unwrap();
             match prior {
