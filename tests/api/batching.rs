@@ -382,3 +382,124 @@ async fn one_batch_statement_answers_each_item_as_the_single_statement_does() {
         ]
     );
 }
+
+/// A batch that fails as a whole (the service's link to Postgres cut while
+/// five consumes wait behind the statement in flight) answers 503
+/// `unavailable` to each of its items, as a single consume does; their
+/// retries, with the same request_ids once the link is back, consume each
+/// token exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_that_fails_as_a_whole_answers_each_item_unavailable() {
+    let link = link::Link::to(5432).await;
+    let stores = Stores::fresh()
+        .postgres(&format!("postgres://postgres@127.0.0.1:{}", link.port()))
+        .with("postgres.consume_batches_in_flight = 1\npostgres.acquire_timeout = \"2s\"\npostgres.statement_timeout = \"20s\"");
+    let direct_url = format!("{PG_BASE}/{}", stores.db_name);
+    let app = Arc::new(spawn_app_on(stores).await);
+    let pg = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&direct_url)
+        .await
+        .unwrap();
+    let blocker = app.issue(PAYMENTS, "order", "u-blocker").await;
+    let mut tokens = Vec::new();
+    for i in 0..5 {
+        tokens.push(app.issue(PAYMENTS, "order", &format!("u-{i}")).await);
+    }
+    eventually(10, || {
+        let (pg, blocker) = (pg.clone(), blocker.clone());
+        async move {
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM tokens WHERE token = $1")
+                .bind(&blocker)
+                .fetch_one(&pg)
+                .await
+                .ok()?;
+            (n == 1).then_some(())
+        }
+    })
+    .await;
+    let mut lock = pg.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM tokens WHERE token = $1 FOR UPDATE")
+        .bind(&blocker)
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let send = |token: String, subject: String| {
+        let app = app.clone();
+        tokio::spawn(async move {
+            answer(
+                app.consume(
+                    PAYMENTS,
+                    &token,
+                    &json!({"subject": subject, "request_id": format!("r-{subject}")}),
+                )
+                .await,
+            )
+            .await
+        })
+    };
+    let wait_for = |name: &'static str, n: f64| {
+        let app = app.clone();
+        async move {
+            eventually(10, || {
+                let app = app.clone();
+                async move {
+                    let text = app.metrics_text().await;
+                    (sample(&text, name, &[]) == Some(n)).then_some(())
+                }
+            })
+            .await
+        }
+    };
+    let first = send(blocker.clone(), "u-blocker".into());
+    wait_for("ledger_pg_batch_size_count", 1.0).await;
+    let waiting: Vec<_> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| send(t.clone(), format!("u-{i}")))
+        .collect();
+    wait_for("ledger_pg_consume_queue", 5.0).await;
+    link.cut();
+    lock.rollback().await.unwrap();
+
+    let (s, _, b) = first.await.unwrap();
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "the blocker: {b}");
+    for (i, h) in waiting.into_iter().enumerate() {
+        let (s, _, b) = h.await.unwrap();
+        assert_eq!(
+            (s, b["error"].as_str()),
+            (StatusCode::SERVICE_UNAVAILABLE, Some("unavailable")),
+            "token {i}: {b}"
+        );
+    }
+    let text = app.metrics_text().await;
+    let (_, up_to_4) = batch_sizes(&text, "4");
+    let (_, up_to_8) = batch_sizes(&text, "8");
+    assert!(up_to_8 > up_to_4, "the five were not one batch: {text}");
+
+    link.open();
+    for (i, t) in tokens.iter().enumerate() {
+        let (s, _, b) = send(t.clone(), format!("u-{i}")).await.unwrap();
+        assert_eq!(
+            (s, b["outcome"].as_str()),
+            (StatusCode::OK, Some("consumed")),
+            "token {i}: {b}"
+        );
+    }
+    let once: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT token_id) FROM audit_events
+          WHERE kind = 'token.consumed' AND token = ANY($1)",
+    )
+    .bind(&tokens)
+    .fetch_one(&pg)
+    .await
+    .unwrap();
+    let all: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM audit_events WHERE kind = 'token.consumed' AND token = ANY($1)",
+    )
+    .bind(&tokens)
+    .fetch_one(&pg)
+    .await
+    .unwrap();
+    assert_eq!((once, all), (5, 5));
+}
