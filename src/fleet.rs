@@ -285,7 +285,8 @@ impl Fleet {
         }
         self.nudge.notify_one();
         let mut rx = self.view.subscribe();
-        let wait = (self.heartbeat * 2 + self.deadline).min(Duration::from_secs(2));
+        // Two beats and a round trip: a fleet of one agrees within them.
+        let wait = (self.heartbeat * 2 + Duration::from_millis(250)).min(Duration::from_secs(2));
         let agreed = tokio::time::timeout(wait, async {
             rx.wait_for(|v| v.state == FleetState::RedisDown)
                 .await
@@ -325,6 +326,9 @@ impl Fleet {
 
     /// One report (see the module docs).
     pub async fn beat(&self) {
+        if !self.fast.is_down() {
+            self.fast.check().await;
+        }
         let up = !self.fast.is_down();
         if !up && !self.go_down().await {
             return;

@@ -45,6 +45,20 @@ impl FastTier {
         ok
     }
 
+    /// One PING as evidence of health, while Redis is not down: an instance
+    /// without traffic learns of a dead or stalled Redis too (the fleet's
+    /// report waits for its view).
+    pub async fn check(&self) -> bool {
+        self.call("ping", |mut c| async move {
+            redis::cmd("PING")
+                .query_async::<String>(&mut c)
+                .await
+                .map(|_| ())
+        })
+        .await
+        .is_ok()
+    }
+
     /// `CONFIG GET maxmemory-policy` (standalone only); `None` when unknown.
     pub async fn maxmemory_policy(&self) -> Option<String> {
         if self.cluster {

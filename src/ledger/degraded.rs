@@ -1,7 +1,9 @@
-//! Degraded mode: fast consumes while Redis is skipped (a per-instance cache
-//! of what was consumed meanwhile, tokens whose Redis outcome is unknown, a
-//! stricter rate limit; with Postgres down too, this instance decides alone),
-//! and the queue of Redis writes replayed when Redis is back.
+//! Fast consumes without Redis: decided by Postgres only while the fleet
+//! agrees that Redis is down (see `crate::fleet`), behind a per-instance
+//! cache of what was consumed meanwhile, the tokens whose Redis outcome is
+//! unknown and a stricter rate limit; in this process's memory only with
+//! `redis.memory_fallback` and Postgres down too. And the queue of Redis
+//! writes replayed when Redis is back.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
@@ -84,12 +86,14 @@ impl Fallback {
 const RESYNC_LIMIT: usize = 100_000;
 
 impl Ledger {
-    /// A fast consume while Redis is skipped. Duplicates this instance has
-    /// seen meanwhile are answered from memory; first uses, at most
-    /// `redis.fallback_rate` per second (more: 503), are decided by Postgres,
-    /// which is exact across the fleet. With Postgres unreachable too, this
-    /// instance decides alone (exactly once per instance) and the decision
-    /// reaches Redis and the journal when Redis is back.
+    /// A fast consume that Redis may not decide here now. Duplicates this
+    /// instance has seen meanwhile are answered from memory; first uses, at
+    /// most `redis.fallback_rate` per second (more: 503), are decided by
+    /// Postgres while the fleet has Redis down (fenced at its epoch), else
+    /// answered 503. With Postgres unreachable too and
+    /// `redis.memory_fallback`, this instance decides alone (exactly once per
+    /// instance) and the decision reaches Redis and the journal when Redis
+    /// is back.
     pub(super) async fn consume_fast_down(
         &self,
         token: &VerifiedToken,

@@ -13,6 +13,7 @@ mod docs_links;
 mod durability;
 mod faults;
 mod fleet;
+mod fleet_redis;
 mod helpers;
 mod idle_connections;
 mod issue;

@@ -1,0 +1,307 @@
+//! The fleet's agreement on Redis (`crate::fleet`): two instances on one
+//! Postgres and one private Redis, one instance's link to Redis through a
+//! proxy that the test stalls or cuts, or Redis itself paused for both.
+//! Every test counts, per fast token, how many answers said `consumed`
+//! across the instances: never more than one.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::stream::{self, StreamExt};
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+use crate::helpers::link::Link;
+use crate::helpers::procs::*;
+use crate::helpers::*;
+
+/// Fast tokens of subject `fan` on `app`.
+async fn issue_likes(app: &TestApp, n: usize) -> Vec<String> {
+    stream::iter(0..n)
+        .map(|_| app.issue(PAYMENTS, "like", "fan"))
+        .buffer_unordered(16)
+        .collect()
+        .await
+}
+
+/// A consume's status and outcome (or error code).
+type Said = (StatusCode, Option<String>);
+
+async fn consume_on(app: &TestApp, token: &str) -> Said {
+    let r = app
+        .consume(PAYMENTS, token, &json!({"subject": "fan"}))
+        .await;
+    let (s, _, body) = answer(r).await;
+    let said = body["outcome"].as_str().or(body["error"].as_str());
+    (s, said.map(str::to_owned))
+}
+
+fn consumed(a: &Said) -> bool {
+    a.0 == StatusCode::OK && a.1.as_deref() == Some("consumed")
+}
+
+/// Every answer is 200 or 503, never another error.
+fn assert_200_or_503(answers: &[Said]) {
+    for a in answers {
+        assert!(
+            a.0 == StatusCode::OK || a.0 == StatusCode::SERVICE_UNAVAILABLE,
+            "{a:?}"
+        );
+    }
+}
+
+async fn readyz(app: &TestApp) -> Value {
+    let r = app
+        .http
+        .get(format!("{}/readyz", app.address))
+        .send()
+        .await
+        .expect("readyz");
+    r.json().await.expect("json")
+}
+
+async fn wait_fleet(app: &TestApp, secs: u64, state: &'static str) -> Value {
+    eventually(secs, || async move {
+        let body = readyz(app).await;
+        (body["fleet"]["state"] == state).then_some(body)
+    })
+    .await
+}
+
+/// The production timeout, so that a 400 ms stall times a call out.
+const FAST_TIMEOUT: &str =
+    "redis.timeout = \"250ms\"\nbiz.like.issue_rate = \"100000/s\"\nbiz.like.ttl = \"60s\"";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stalled_link_never_lets_an_instance_decide_fast_consumes_without_redis() {
+    let redis = RedisProc::start();
+    let link = Arc::new(Link::to(redis.port).await);
+    let stores = Stores::fresh().redis(&redis.url()).with(FAST_TIMEOUT);
+    let b = spawn_app_on(stores.clone()).await;
+    let a = spawn_app_on(stores.redis(&format!("redis://127.0.0.1:{}", link.port()))).await;
+    let tokens = issue_likes(&b, 600).await;
+
+    // Six stalls of 400 ms, each long enough for one call to time out.
+    let stalls = {
+        let link = link.clone();
+        tokio::spawn(async move {
+            for _ in 0..6 {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                link.stall();
+                tokio::time::sleep(Duration::from_millis(400)).await;
+                link.open();
+            }
+        })
+    };
+    // For each token: a consume via B, then one via A.
+    let answers: Vec<(Said, Said)> = stream::iter(tokens.iter())
+        .map(|t| {
+            let (a, b) = (&a, &b);
+            async move {
+                let first = consume_on(b, t).await;
+                let second = consume_on(a, t).await;
+                // Paced, so that the load outlasts the stalls.
+                tokio::time::sleep(Duration::from_millis(40)).await;
+                (first, second)
+            }
+        })
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    stalls.await.expect("stalls");
+
+    let all: Vec<_> = answers
+        .iter()
+        .flat_map(|(x, y)| [x.clone(), y.clone()])
+        .collect();
+    assert_200_or_503(&all);
+    let twice = answers
+        .iter()
+        .filter(|(x, y)| consumed(x) && consumed(y))
+        .count();
+    assert_eq!(twice, 0, "tokens answered consumed on both instances");
+    let unavailable = answers
+        .iter()
+        .filter(|(_, y)| y.0 == StatusCode::SERVICE_UNAVAILABLE)
+        .count();
+    assert!(
+        unavailable > 0,
+        "the stalls made some of A's calls time out (else this test proves nothing)"
+    );
+    // Redis was never down for the fleet.
+    assert_eq!(readyz(&b).await["fleet"]["state"], "normal");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cut_link_makes_that_instance_answer_503_while_the_fleet_uses_redis() {
+    let redis = RedisProc::start();
+    let link = Link::to(redis.port).await;
+    let stores = Stores::fresh().redis(&redis.url()).with(FAST_TIMEOUT);
+    let b = spawn_app_on(stores.clone()).await;
+    let a = spawn_app_on(stores.redis(&format!("redis://127.0.0.1:{}", link.port()))).await;
+    let before = issue_likes(&b, 20).await;
+    let during = issue_likes(&b, 40).await;
+    for t in &before {
+        assert!(consumed(&consume_on(&a, t).await));
+    }
+
+    link.cut();
+    let started = std::time::Instant::now();
+    // A, cut off: never decides a fast consume, answers 503.
+    let mut on_a = Vec::new();
+    for t in during.iter().take(10) {
+        on_a.push(consume_on(&a, t).await);
+    }
+    assert!(
+        on_a.iter().all(|x| x.0 == StatusCode::SERVICE_UNAVAILABLE),
+        "{on_a:?} {}",
+        readyz(&a).await
+    );
+    let ready = readyz(&a).await;
+    assert_eq!(ready["redis"], "down", "{ready}");
+    assert_eq!(ready["fleet"]["state"], "normal", "{ready}");
+    assert_eq!(ready["fleet"]["redis_decides_here"], false, "{ready}");
+    // B decides in Redis meanwhile, the tokens A refused included.
+    let mut on_b = Vec::new();
+    for t in &during {
+        on_b.push(consume_on(&b, t).await);
+    }
+    assert!(on_b.iter().all(consumed), "{on_b:?}");
+    // Still cut (5 s in all): A still refuses, now with B's decisions made.
+    let mut again = Vec::new();
+    for t in &during {
+        again.push(consume_on(&a, t).await);
+    }
+    assert!(
+        again.iter().all(|x| !consumed(x)),
+        "A decided without Redis: {again:?}"
+    );
+    if let Some(rest) = Duration::from_secs(5).checked_sub(started.elapsed()) {
+        tokio::time::sleep(rest).await;
+    }
+    assert_eq!(readyz(&b).await["fleet"]["state"], "normal");
+
+    // Back: A answers from Redis again (duplicates of what B decided).
+    link.open();
+    for t in &during {
+        let a = &a;
+        let x = eventually(10, || async move {
+            let x = consume_on(a, t).await;
+            (x.0 == StatusCode::OK).then_some(x)
+        })
+        .await;
+        assert_eq!(x.1.as_deref(), Some("duplicate"), "{t}");
+    }
+    for t in &before {
+        assert_eq!(consume_on(&b, t).await.1.as_deref(), Some("duplicate"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_down_for_the_whole_fleet_then_back_keeps_fast_consumes_exactly_once() {
+    let redis = RedisProc::start();
+    let stores = Stores::fresh()
+        .redis(&redis.url())
+        .with(FAST_TIMEOUT)
+        .with("redis.down_after = \"1s\"");
+    let a = spawn_app_on(stores.clone()).await;
+    let b = spawn_app_on(stores).await;
+    let just_before = issue_likes(&a, 40).await;
+    let during = issue_likes(&a, 40).await;
+    let after = issue_likes(&b, 40).await;
+
+    // Consumed just before Redis stops answering: their journal entries
+    // are in Redis, perhaps not yet drained into Postgres.
+    let first: Vec<_> = stream::iter(just_before.iter())
+        .map(|t| consume_on(&a, t))
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    assert!(first.iter().all(consumed), "{first:?}");
+    redis.pause();
+    // Every instance sees Redis down: the fleet agrees, Postgres decides.
+    for app in [&a, &b] {
+        eventually(15, || async move {
+            let t = issue_likes(app, 1).await.pop()?;
+            let x = consume_on(app, &t).await;
+            consumed(&x).then_some(())
+        })
+        .await;
+    }
+    let ready = wait_fleet(&a, 10, "redis_down").await;
+    assert_eq!(ready["fleet"]["redis_down_members"], 2, "{ready}");
+    let mut count = std::collections::HashMap::<&str, usize>::new();
+    for (i, t) in just_before.iter().chain(during.iter()).enumerate() {
+        let app = if i % 2 == 0 { &a } else { &b };
+        let other = if i % 2 == 0 { &b } else { &a };
+        for x in [consume_on(app, t).await, consume_on(other, t).await] {
+            assert_eq!(x.0, StatusCode::OK, "{t}: {x:?}");
+            if consumed(&x) {
+                *count.entry(t.as_str()).or_default() += 1;
+            }
+        }
+    }
+    for t in &just_before {
+        assert_eq!(
+            count.get(t.as_str()),
+            None,
+            "consumed again while Redis was down: {t}"
+        );
+    }
+    for t in &during {
+        assert_eq!(count.get(t.as_str()), Some(&1), "{t}");
+    }
+
+    // Redis answers again: what Postgres decided reaches it before it
+    // decides again, so nothing consumed meanwhile is fresh to it.
+    redis.resume();
+    wait_fleet(&a, 15, "normal").await;
+    wait_fleet(&b, 15, "normal").await;
+    let mut conn = redis.conn().await;
+    for t in &during {
+        let state: Option<String> = redis::cmd("HGET")
+            .arg(a.token_key(t))
+            .arg("s")
+            .query_async(&mut conn)
+            .await
+            .expect("hget");
+        assert_eq!(state.as_deref(), Some("c"), "{t}");
+    }
+    let answers: Vec<[Said; 2]> = stream::iter(just_before.iter().chain(during.iter()))
+        .map(|t| {
+            let (a, b) = (&a, &b);
+            async move { [consume_on(a, t).await, consume_on(b, t).await] }
+        })
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    for pair in &answers {
+        assert_200_or_503(pair);
+        assert!(!pair.iter().any(consumed), "{pair:?}");
+    }
+    // Just after: tokens issued before, consumed now on both, once.
+    let answers: Vec<[Said; 2]> = stream::iter(after.iter())
+        .map(|t| {
+            let (a, b) = (&a, &b);
+            async move { [consume_on(a, t).await, consume_on(b, t).await] }
+        })
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    for pair in &answers {
+        assert_200_or_503(pair);
+        assert_eq!(pair.iter().filter(|x| consumed(x)).count(), 1, "{pair:?}");
+    }
+    let metrics = a.metrics_text().await + &b.metrics_text().await;
+    let transitions = |to: &str| -> f64 {
+        metrics
+            .lines()
+            .filter_map(|l| {
+                l.strip_prefix(&format!("ledger_fleet_transitions_total{{to=\"{to}\"}} "))
+            })
+            .filter_map(|v| v.trim().parse::<f64>().ok())
+            .sum()
+    };
+    assert_eq!(transitions("redis_down"), 1.0, "{metrics}");
+    assert_eq!(transitions("normal"), 1.0);
+}
