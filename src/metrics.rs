@@ -60,6 +60,8 @@ pub struct Metrics {
     pub pg_batch_size: Histogram,
     /// Durable consumes waiting for the next batch.
     pub pg_consume_queue: IntGauge,
+    /// Cluster journal entries whose `XADD` failed, by where they went.
+    pub journal_append_fallback: IntCounterVec,
     pending: Mutex<HashMap<String, StatCounts>>,
 }
 
@@ -212,6 +214,14 @@ impl Metrics {
             "Durable consumes waiting for the next batch statement.",
         )
         .expect("valid metric");
+        let journal_append_fallback = IntCounterVec::new(
+            Opts::new(
+                "ledger_journal_append_fallback_total",
+                "Cluster: fast-type journal entries whose XADD failed after the decision, by where they went: postgres (applied directly before the answer), memory (Postgres failed too: kept in this process until Redis answers), dropped (that backlog was full).",
+            ),
+            &["to"],
+        )
+        .expect("valid metric");
         let build_info = IntGaugeVec::new(
             Opts::new("ledger_build_info", "1, labelled with the running version."),
             &["version"],
@@ -243,6 +253,7 @@ impl Metrics {
             Box::new(journal_dead_letters.clone()),
             Box::new(pg_batch_size.clone()),
             Box::new(pg_consume_queue.clone()),
+            Box::new(journal_append_fallback.clone()),
         ] {
             registry.register(c).expect("distinct metric names");
         }
@@ -259,11 +270,14 @@ impl Metrics {
         for r in ["degraded_sample", "down", "memory"] {
             redis_bypass.with_label_values(&[r]);
         }
-        for v in ["known", "young", "uncovered", "rejected"] {
+        for v in ["known", "young", "uncovered", "unrecorded", "rejected"] {
             bloom_checks.with_label_values(&[v]);
         }
         for s in ["client", "issue"] {
             rate_limited.with_label_values(&[s]);
+        }
+        for to in ["postgres", "memory", "dropped"] {
+            journal_append_fallback.with_label_values(&[to]);
         }
         Metrics {
             registry,
@@ -288,6 +302,7 @@ impl Metrics {
             journal_dead_letters,
             pg_batch_size,
             pg_consume_queue,
+            journal_append_fallback,
             pending: Mutex::new(HashMap::new()),
         }
     }

@@ -85,6 +85,21 @@ impl Application {
             .register(Box::new(reconcile::last_run_metrics(pools.admin.clone())))
             .context("registering the reconcile metrics")?;
         let fast = FastTier::new(settings.redis.clone(), metrics.clone(), clock.clone());
+        // Cluster: a journal entry whose XADD failed goes to Postgres before
+        // the answer (see `FastTier::append_or_queue`).
+        let journal_pool = pools.hot.clone();
+        fast.set_journal_fallback(Arc::new(move |entry| {
+            let pool = journal_pool.clone();
+            Box::pin(async move {
+                match journal::apply_entries(&pool, std::slice::from_ref(&entry)).await {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "journal entry not applied to postgres directly");
+                        false
+                    }
+                }
+            })
+        }));
         fast.check_tls().await?;
         metrics
             .registry

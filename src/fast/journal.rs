@@ -5,6 +5,8 @@
 //! claims and acknowledgements, and the dead-letter stream.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
 
 use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
 use redis::Value;
@@ -16,6 +18,17 @@ pub const GROUP: &str = "ledger";
 
 /// Journal entries a cluster instance keeps for a later `XADD` at most.
 const JOURNAL_BACKLOG_LIMIT: usize = 100_000;
+
+/// How long a decision's answer waits for Postgres to take a journal entry
+/// whose `XADD` failed, before the entry is kept in memory instead (an
+/// apply that commits later anyway is harmless: entries apply once).
+pub const JOURNAL_FALLBACK_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Writes one journal entry to Postgres the way the drainer would (its
+/// versioned apply); `true` once Postgres has it. Set by
+/// [`crate::startup`], so that this tier stays free of SQL.
+pub type JournalFallback =
+    Arc<dyn Fn(JournalEntry) -> futures_util::future::BoxFuture<'static, bool> + Send + Sync>;
 
 /// One stream entry as read back: its id and its fields, as bytes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -92,23 +105,61 @@ impl FastTier {
         .await
     }
 
+    /// Where a cluster decision's journal entry goes when its `XADD` fails
+    /// (once, at start).
+    pub fn set_journal_fallback(&self, fallback: JournalFallback) {
+        let _ = self.journal_fallback.set(fallback);
+    }
+
     /// Cluster: appends the journal entry of a decision the script already
     /// made. A failure must not turn that decision into an error for its
     /// caller (the token is consumed or released in Redis whatever we
-    /// answer), so the entry waits in the backlog instead.
+    /// answer), so the entry goes to Postgres directly, before the answer
+    /// (the drainer's apply: the same entry arriving twice changes nothing).
+    /// Only when Postgres does not take it within
+    /// [`JOURNAL_FALLBACK_TIMEOUT`] does it wait in this process's backlog
+    /// (`ledger_journal_append_fallback_total{to="memory"}`), lost if the
+    /// process dies before Redis or Postgres answers.
     pub(super) async fn append_or_queue(&self, entry: Vec<(&'static str, String)>) {
-        if let Err(e) = self.append_journal(&entry).await {
-            let mut q = self
-                .journal_backlog
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            if q.len() < JOURNAL_BACKLOG_LIMIT {
-                tracing::debug!(error = %e, "journal entry queued for a later XADD");
-                q.push_back(entry);
-            } else {
-                tracing::error!(error = %e, "journal backlog full: a fast-type decision will not reach postgres");
+        let Err(e) = self.append_journal(&entry).await else {
+            return;
+        };
+        if let Some(apply) = self.journal_fallback.get() {
+            let direct = JournalEntry {
+                id: "direct".to_owned(),
+                fields: entry
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), v.clone().into_bytes()))
+                    .collect(),
+            };
+            let applied = tokio::time::timeout(JOURNAL_FALLBACK_TIMEOUT, apply(direct))
+                .await
+                .unwrap_or(false);
+            if applied {
+                tracing::debug!(error = %e, "journal XADD failed; the entry went to postgres directly");
+                self.count_fallback("postgres");
+                return;
             }
         }
+        let mut q = self
+            .journal_backlog
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if q.len() < JOURNAL_BACKLOG_LIMIT {
+            tracing::warn!(error = %e, "journal entry reached neither redis nor postgres; kept in memory for a later XADD");
+            q.push_back(entry);
+            self.count_fallback("memory");
+        } else {
+            tracing::error!(error = %e, "journal backlog full: a fast-type decision will not reach postgres");
+            self.count_fallback("dropped");
+        }
+    }
+
+    fn count_fallback(&self, to: &str) {
+        self.metrics
+            .journal_append_fallback
+            .with_label_values(&[to])
+            .inc();
     }
 
     /// Journal entries waiting in this process for their `XADD` (cluster).

@@ -79,9 +79,14 @@ pub struct FastTier {
     metrics: Arc<Metrics>,
     cluster: bool,
     /// Cluster only: journal entries of decisions already made whose
-    /// separate `XADD` failed. The decision stands (its caller is told the
-    /// outcome); the entry is appended later ([`FastTier::flush_journal_backlog`]).
+    /// separate `XADD` failed and that Postgres did not take either
+    /// ([`FastTier::set_journal_fallback`]). The decision stands (its caller
+    /// is told the outcome); the entry is appended later
+    /// ([`FastTier::flush_journal_backlog`]).
     journal_backlog: std::sync::Mutex<std::collections::VecDeque<Vec<(&'static str, String)>>>,
+    /// Cluster only: where an entry whose `XADD` failed goes before the
+    /// answer (Postgres, through the drainer's apply; set at start).
+    journal_fallback: std::sync::OnceLock<journal::JournalFallback>,
 }
 
 impl std::fmt::Debug for FastTier {
@@ -119,6 +124,7 @@ impl FastTier {
             metrics,
             cluster,
             journal_backlog: Default::default(),
+            journal_fallback: std::sync::OnceLock::new(),
         })
     }
 }

@@ -1063,7 +1063,8 @@ async fn redis_cluster_exactly_once_and_after_a_master_fails_over() {
 /// journal entry is a second command after the script. When that command
 /// fails (here: the journal key is not a stream), the script's decision still
 /// stands: the caller hears `consumed` (not a 503 that would make its
-/// retry a `duplicate`), and the entry reaches Postgres once Redis answers.
+/// retry a `duplicate`), and the entry is in Postgres before the answer
+/// (applied directly, not kept in the process's memory).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cluster_fast_consume_whose_journal_append_fails_still_wins() {
     let cluster = Cluster::start();
@@ -1089,6 +1090,26 @@ async fn cluster_fast_consume_whose_journal_append_fails_still_wins() {
     let token = app.issue(PAYMENTS, "like", &subject).await;
     let body = json!({"subject": subject});
     let answered = consume(&app, &token, &body).await;
+    // Before Redis takes journal entries again: the entry is in Postgres
+    // already, and nothing waits in memory.
+    let pool = app.pg().await;
+    let state: Option<String> =
+        sqlx::query_scalar("SELECT state::text FROM tokens WHERE token = $1")
+            .bind(&token)
+            .fetch_optional(&pool)
+            .await
+            .expect("read");
+    let metrics = app.metrics_text().await;
+    let fallback = |to: &str| {
+        metrics
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!(
+                    "ledger_journal_append_fallback_total{{to=\"{to}\"}} "
+                ))
+            })
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
     assert_eq!(redis_cli(port, &["-c", "del", &journal]).trim(), "1");
     let (s, _, answer) = answered;
     assert_eq!(
@@ -1096,8 +1117,16 @@ async fn cluster_fast_consume_whose_journal_append_fails_still_wins() {
         (StatusCode::OK, Some("consumed")),
         "{answer}"
     );
-    // The journal entry arrives once the node answers again.
-    let pool = app.pg().await;
+    assert_eq!(
+        state.as_deref(),
+        Some("consumed"),
+        "in postgres before the answer"
+    );
+    assert_eq!(
+        (fallback("postgres"), fallback("memory")),
+        (Some(1), Some(0)),
+        "applied directly, not kept in memory"
+    );
     eventually(20, || {
         let pool = pool.clone();
         let token = token.clone();
