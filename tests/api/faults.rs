@@ -1151,3 +1151,64 @@ async fn cluster_fast_consume_whose_journal_append_fails_still_wins() {
     })
     .await;
 }
+
+/// The same append failure while this instance cannot reach Postgres either:
+/// the decision still stands, the entry waits in the process's memory
+/// (counted), and reaches Postgres once both answer again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cluster_journal_entry_neither_redis_nor_postgres_takes_waits_in_memory_then_arrives() {
+    let cluster = Cluster::start();
+    let link = crate::helpers::link::Link::to(5432).await;
+    let app = spawn_app_on(
+        Stores::fresh()
+            .postgres(&format!("postgres://postgres@127.0.0.1:{}", link.port()))
+            .redis("")
+            .with(&cluster.config_line())
+            .with(QUICK_BREAKER),
+    )
+    .await;
+    assert_eq!(wait_mode(&app, 5, "normal").await["redis"], "up");
+    let journal = format!("{}journal", app.stores.prefix);
+    let port = cluster.nodes[0].port;
+    let subject = "fan".to_owned();
+    let token = app.issue(PAYMENTS, "like", &subject).await;
+    let body = json!({"subject": subject});
+    assert_eq!(
+        redis_cli(port, &["-c", "set", &journal, "not-a-stream"]).trim(),
+        "OK"
+    );
+    // Within the fleet's lease of the last report, Redis still decides.
+    link.cut();
+    let (s, _, answer) = consume(&app, &token, &body).await;
+    assert_eq!(
+        (s, answer["outcome"].as_str()),
+        (StatusCode::OK, Some("consumed")),
+        "{answer}"
+    );
+    let metrics = app.metrics_text().await;
+    let kept = metrics.lines().find_map(|l| {
+        l.strip_prefix("ledger_journal_append_fallback_total{to=\"memory\"} ")
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    });
+    assert_eq!(kept, Some(1), "kept in memory, counted");
+    link.open();
+    assert_eq!(redis_cli(port, &["-c", "del", &journal]).trim(), "1");
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&format!("{PG_BASE}/{}", app.stores.db_name))
+        .await
+        .expect("test pool");
+    eventually(30, || {
+        let (pool, token) = (pool.clone(), token.clone());
+        async move {
+            let state: String =
+                sqlx::query_scalar("SELECT state::text FROM tokens WHERE token = $1")
+                    .bind(&token)
+                    .fetch_one(&pool)
+                    .await
+                    .ok()?;
+            (state == "consumed").then_some(())
+        }
+    })
+    .await;
+}
