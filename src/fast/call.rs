@@ -174,7 +174,7 @@ impl FastTier {
             }
         };
         let conn = match redirect {
-            Some(r) => conn.redirected(r),
+            Some(r) => self.redirected(conn, r),
             None => conn,
         };
         let timeout = match lane {

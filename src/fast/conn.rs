@@ -5,7 +5,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{
+    ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
+};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo, Slot};
 use redis::{
@@ -44,8 +46,14 @@ pub(super) struct Redirect {
     port: u16,
     ask: bool,
     /// The reply itself, answered again when the named node cannot be
-    /// reached through the client.
+    /// reached.
     reply: RedisError,
+    /// `ASK`: a client of its own for the named node (the seeds' scheme,
+    /// credentials and CA), for a node the cluster client holds no
+    /// connection to (see [`FastTier::redirected`]), and its connection
+    /// once made (for this call only).
+    direct: Option<redis::Client>,
+    direct_conn: Arc<tokio::sync::OnceCell<Option<MultiplexedConnection>>>,
 }
 
 impl Redirect {
@@ -64,7 +72,30 @@ impl Redirect {
             port: port.parse().ok()?,
             ask,
             reply: e.clone(),
+            direct: None,
+            direct_conn: Default::default(),
         })
+    }
+
+    /// The connection of its own to an `ASK`'s node (`None`: not an `ASK`,
+    /// or it cannot be made).
+    async fn direct(&self) -> Option<MultiplexedConnection> {
+        let client = self.direct.as_ref()?;
+        self.direct_conn
+            .get_or_init(|| async { client.get_multiplexed_async_connection().await.ok() })
+            .await
+            .clone()
+    }
+
+    /// A script loaded for the cluster (`SCRIPT LOAD`, sent to the masters
+    /// the cluster client knows) during an `ASK` followed over a connection
+    /// of its own: loaded on that node too, since the script may run there.
+    async fn load_direct(&self, cmd: &Cmd) {
+        if let Some(mut direct) = self.direct_conn.get().cloned().flatten() {
+            if let Err(e) = direct.req_packed_command(cmd).await {
+                tracing::debug!(error = %e, "SCRIPT LOAD on the node an ASK named failed");
+            }
+        }
     }
 
     /// Whether `cmd`'s key is in the redirect's slot.
@@ -73,11 +104,12 @@ impl Redirect {
     }
 
     /// `cmd` to the named node (`ASK`: as `ASKING` then `cmd`, one write on
-    /// one connection). When the client holds no connection to that node
-    /// (one that served no slot when the map was read), nothing is sent
-    /// there: after `MOVED` the command goes by the slot map, which the
-    /// client reads again on every `MOVED`; after `ASK` the call fails with
-    /// the redirect.
+    /// one connection). When the cluster client holds no connection to that
+    /// node (one that served no slot when it read the map, such as a master
+    /// added since), nothing was sent: after `MOVED` the command goes by the
+    /// slot map, which the client reads again on every `MOVED`; after `ASK`
+    /// it goes over a connection of its own to the node, made for this
+    /// call, and if that cannot be made the call fails with the redirect.
     async fn send(&self, c: &mut ClusterConnection, cmd: &Cmd) -> RedisResult<Value> {
         let to = SingleNodeRoutingInfo::ByAddress {
             host: self.host.clone(),
@@ -96,15 +128,36 @@ impl Redirect {
         };
         match sent {
             Err(e) if e.kind() == ErrorKind::ClusterConnectionNotFound => {
-                if self.ask {
-                    Err(self.reply.clone())
-                } else {
-                    c.req_packed_command(cmd).await
+                if !self.ask {
+                    return c.req_packed_command(cmd).await;
                 }
+                let Some(mut direct) = self.direct().await else {
+                    return Err(self.reply.clone());
+                };
+                let mut p = redis::pipe();
+                p.cmd("ASKING").add_command(cmd.clone());
+                direct
+                    .req_packed_commands(&p, 1, 1)
+                    .await
+                    .and_then(|mut v| {
+                        v.pop().ok_or_else(|| {
+                            RedisError::from((ErrorKind::Client, "no reply after ASKING"))
+                        })
+                    })
             }
             other => other,
         }
     }
+}
+
+fn is_script_load(cmd: &Cmd) -> bool {
+    let mut args = cmd.args_iter().filter_map(|a| match a {
+        redis::Arg::Simple(a) => Some(a),
+        _ => None,
+    });
+    args.next()
+        .is_some_and(|a| a.eq_ignore_ascii_case(b"SCRIPT"))
+        && args.next().is_some_and(|a| a.eq_ignore_ascii_case(b"LOAD"))
 }
 
 /// The key a command of this service is routed by (the cluster client's
@@ -155,9 +208,15 @@ impl ConnectionLike for Conn {
             Conn::Single(c) => c.req_packed_command(cmd),
             Conn::Cluster(c) => c.req_packed_command(cmd),
             Conn::Redirected(c, r) => {
+                let r = r.clone();
                 if r.covers(cmd) {
-                    let r = r.clone();
                     Box::pin(async move { r.send(c, cmd).await })
+                } else if is_script_load(cmd) {
+                    Box::pin(async move {
+                        let loaded = c.req_packed_command(cmd).await;
+                        r.load_direct(cmd).await;
+                        loaded
+                    })
                 } else {
                     c.req_packed_command(cmd)
                 }
@@ -396,6 +455,34 @@ impl FastTier {
         }
     }
 
+    /// `conn` for a call sent again after `redirect`; an `ASK` gets a
+    /// client for the node it names, in case the cluster client holds no
+    /// connection to it (see [`Redirect`]).
+    pub(super) fn redirected(&self, conn: Conn, mut redirect: Redirect) -> Conn {
+        if redirect.ask {
+            redirect.direct = self.node_client(&redirect.host, redirect.port);
+        }
+        conn.redirected(redirect)
+    }
+
+    /// A standalone client of a cluster node at `host:port`, as the first
+    /// seed of `redis.cluster_nodes` is reached (scheme, credentials,
+    /// `redis.ca_file`, RESP3).
+    fn node_client(&self, host: &str, port: u16) -> Option<redis::Client> {
+        let RedisTopology::Cluster(nodes) = &self.settings.topology else {
+            return None;
+        };
+        let mut url = url::Url::parse(nodes.first()?).ok()?;
+        let host = if host.contains(':') {
+            format!("[{host}]")
+        } else {
+            host.to_owned()
+        };
+        url.set_host(Some(&host)).ok()?;
+        url.set_port(Some(port)).ok()?;
+        self.standalone_client(url.as_str()).ok()
+    }
+
     /// Drops a cluster connection so that the next call connects afresh from
     /// the seed nodes and reads the slot map again. The cluster client only
     /// refreshes its map on a redirect, and a master that died never sends
@@ -436,6 +523,11 @@ mod tests {
         let mut slots = redis::cmd("CLUSTER");
         slots.arg("SLOTS");
         assert_eq!(key(&slots), None);
+        let mut load = redis::cmd("SCRIPT");
+        load.arg("LOAD").arg("return 1");
+        assert_eq!(key(&load), None);
+        assert!(is_script_load(&load));
+        assert!(!is_script_load(&evalsha) && !is_script_load(&slots));
     }
 
     #[test]

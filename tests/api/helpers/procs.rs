@@ -104,6 +104,12 @@ impl RedisProc {
         r
     }
 
+    /// A cluster-enabled server that belongs to no cluster yet (for
+    /// `redis-cli --cluster add-node`).
+    pub fn start_cluster_node() -> RedisProc {
+        Self::start_with(true)
+    }
+
     fn start_with(cluster: bool) -> RedisProc {
         let mut r = RedisProc {
             port: free_port(),
