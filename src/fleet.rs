@@ -331,6 +331,8 @@ impl Fleet {
         }
         let up = !self.fast.is_down();
         if !up && !self.go_down().await {
+            // Postgres did not take the flush: it is failing for us too.
+            self.view.send_modify(|v| v.pg_failing = true);
             return;
         }
         let started = Instant::now();
@@ -385,7 +387,7 @@ impl Fleet {
         self.metrics.show(&view);
         self.view.send_replace(view);
         if up && r.state == FleetState::RedisDown {
-            self.end_episode(r.epoch).await;
+            self.end_episode(r.epoch, started).await;
         }
     }
 
@@ -437,7 +439,7 @@ impl Fleet {
 
     /// Writes what Postgres decided during the episode to Redis, then ends
     /// it in the transaction that holds the fleet row (see the module docs).
-    async fn end_episode(&self, epoch: i64) {
+    async fn end_episode(&self, epoch: i64, reported: Instant) {
         let mut written: HashSet<(i64, i64)> = HashSet::new();
         let first = async {
             let mut conn = self.pool.acquire().await?;
@@ -481,6 +483,17 @@ impl Fleet {
                     written = written.len(),
                     "fleet: redis is back and holds what postgres decided; redis decides fast types again"
                 );
+                // This instance reported Redis up just before, and the fleet
+                // is normal from this commit: its gate opens now, not at its
+                // next report (the others' open at theirs).
+                self.view.send_modify(|v| {
+                    v.state = FleetState::Normal;
+                    v.epoch = next;
+                    v.redis_down_members = 0;
+                    v.confirmed = Some(reported);
+                });
+                self.closing.store(false, Ordering::SeqCst);
+                self.metrics.show(&self.view());
                 self.nudge.notify_one();
             }
             Err(e) => tracing::warn!(error = %e, "fleet: ending the episode failed; retried"),

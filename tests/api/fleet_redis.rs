@@ -305,3 +305,45 @@ async fn redis_down_for_the_whole_fleet_then_back_keeps_fast_consumes_exactly_on
     assert_eq!(transitions("redis_down"), 1.0, "{metrics}");
     assert_eq!(transitions("normal"), 1.0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_both_tiers_down_fast_consumes_answer_503_unless_memory_fallback_is_set() {
+    let mut redis = RedisProc::start();
+    let pg = PgProc::start();
+    let stores = Stores::fresh()
+        .redis(&redis.url())
+        .postgres(&pg.base())
+        .with(FAST_TIMEOUT);
+    let strict = spawn_app_on(stores.clone()).await;
+    let lenient = spawn_app_on(stores.with("redis.memory_fallback = true")).await;
+    let refused = issue_likes(&strict, 1).await.remove(0);
+    let decided = issue_likes(&lenient, 1).await.remove(0);
+
+    redis.kill();
+    pg.stop_immediate();
+    // The default: nothing is decided where it would be lost with the process.
+    for _ in 0..6 {
+        let x = consume_on(&strict, &refused).await;
+        assert_eq!(x.0, StatusCode::SERVICE_UNAVAILABLE, "{x:?}");
+    }
+    // Opted in: this instance decides, once.
+    let first = eventually(15, || {
+        let (app, t) = (&lenient, &decided);
+        async move {
+            let x = consume_on(app, t).await;
+            (x.0 == StatusCode::OK).then_some(x)
+        }
+    })
+    .await;
+    assert_eq!(first.1.as_deref(), Some("consumed"));
+    let again = consume_on(&lenient, &decided).await;
+    assert_eq!(
+        (again.0, again.1.as_deref()),
+        (StatusCode::OK, Some("duplicate"))
+    );
+    let metrics = lenient.metrics_text().await;
+    assert!(
+        metrics.contains("ledger_redis_bypass_total{reason=\"memory\"} 1"),
+        "{metrics}"
+    );
+}
