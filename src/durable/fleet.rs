@@ -60,55 +60,31 @@ fn ms(d: Duration) -> i64 {
 
 /// Records this member's view of Redis and returns the fleet's, turning the
 /// fleet to `redis_down` (a new epoch) when every member seen within
-/// `member_timeout` reports Redis down. One transaction under the lock of
-/// the fleet row, so reports are serialised: a member that reported Redis
-/// up is counted by every later report.
+/// `member_timeout` reports Redis down. Under the lock of the fleet row, so
+/// reports are serialised: a member that reported Redis up is counted by
+/// every later report.
 pub async fn report(
     pool: &PgPool,
     instance: Uuid,
     redis_up: bool,
     member_timeout: Duration,
 ) -> Result<Report, DurableError> {
-    let mut tx = pool.begin().await?;
-    let row = sqlx::query("SELECT state, epoch FROM fleet_state WHERE id = 1 FOR UPDATE")
-        .fetch_one(&mut *tx)
-        .await?;
-    let mut state = FleetState::parse(row.try_get::<&str, _>("state")?)?;
-    let mut epoch: i64 = row.try_get("epoch")?;
-    sqlx::query(
-        "INSERT INTO fleet_members (instance, redis_up, seen_at) VALUES ($1, $2, now())
-         ON CONFLICT (instance) DO UPDATE SET redis_up = EXCLUDED.redis_up, seen_at = now()",
+    // One statement (`fleet_report`, V9): the row lock is never held across
+    // a round trip of ours.
+    let row = sqlx::query(
+        "SELECT state, epoch, members, redis_down_members, flipped FROM fleet_report($1, $2, $3)",
     )
     .bind(instance)
     .bind(redis_up)
-    .execute(&mut *tx)
-    .await?;
-    let counts = sqlx::query(
-        "SELECT count(*) AS members, count(*) FILTER (WHERE NOT redis_up) AS down
-           FROM fleet_members WHERE seen_at > now() - $1 * interval '1 millisecond'",
-    )
     .bind(ms(member_timeout))
-    .fetch_one(&mut *tx)
+    .fetch_one(pool)
     .await?;
-    let members: i64 = counts.try_get("members")?;
-    let down: i64 = counts.try_get("down")?;
-    let flipped = state == FleetState::Normal && members > 0 && down == members;
-    if flipped {
-        epoch = sqlx::query_scalar(
-            "UPDATE fleet_state SET state = 'redis_down', epoch = epoch + 1, since = now()
-              WHERE id = 1 RETURNING epoch",
-        )
-        .fetch_one(&mut *tx)
-        .await?;
-        state = FleetState::RedisDown;
-    }
-    tx.commit().await?;
     Ok(Report {
-        state,
-        epoch,
-        members,
-        redis_down_members: down,
-        flipped,
+        state: FleetState::parse(row.try_get::<&str, _>("state")?)?,
+        epoch: row.try_get("epoch")?,
+        members: row.try_get("members")?,
+        redis_down_members: row.try_get("redis_down_members")?,
+        flipped: row.try_get("flipped")?,
     })
 }
 
