@@ -32,7 +32,60 @@ pub async fn consume(
     fingerprint: Option<&str>,
     request_id: Option<&str>,
 ) -> Result<KeyConsumed, DurableError> {
-    let row = super::fetch_optional(pool, || {
+    // Two first consumes of one key racing: the arbiter is the key's index,
+    // and the other unique index on the same row (the derived id) may meet
+    // the concurrent insert first and raise a unique violation instead of
+    // taking the conflict path. Nothing was written; sent again, the
+    // statement sees the committed row and answers from it.
+    let mut tries = 0;
+    let row = loop {
+        tries += 1;
+        match consume_statement(pool, rec, fingerprint, request_id).await {
+            Err(e) if tries < 3 && is_unique_violation(&e) => {
+                tracing::debug!(error = %e, "racing first consumes of a key: sent again");
+            }
+            other => break other?,
+        }
+    };
+    match row {
+        Some(r) if r.try_get::<bool, _>("won")? => Ok(KeyConsumed {
+            row: ConsumeRow::Won {
+                consumed_at: r.try_get("consumed_at")?,
+            },
+            gen: r.try_get("gen")?,
+            subject: r.try_get("subject")?,
+        }),
+        Some(r) => {
+            let e = existing(&r)?;
+            let subject: String = r.try_get("subject")?;
+            if e.state == TokenState::Consumed
+                || (!rec.subject.is_empty() && subject != rec.subject)
+            {
+                return Ok(KeyConsumed {
+                    gen: e.gen,
+                    row: ConsumeRow::Existing(e),
+                    subject,
+                });
+            }
+            // Not claimed, yet our snapshot says issued: a concurrent consume
+            // committed after our snapshot was taken (the conflict check
+            // waited for it and saw `consumed`). A fresh read tells.
+            fresh_read(pool, rec.id).await
+        }
+        // Nothing claimed and nothing in our snapshot: a concurrent consume
+        // inserted the row after our snapshot.
+        None => fresh_read(pool, rec.id).await,
+    }
+}
+
+/// The statement of [`consume`].
+async fn consume_statement(
+    pool: &PgPool,
+    rec: &TokenRecord,
+    fingerprint: Option<&str>,
+    request_id: Option<&str>,
+) -> Result<Option<sqlx::postgres::PgRow>, sqlx::Error> {
+    super::fetch_optional(pool, || {
         sqlx::query(
             r#"
         WITH claim AS (
@@ -75,36 +128,11 @@ pub async fn consume(
         .bind(fingerprint)
         .bind(request_id)
     })
-    .await?;
-    match row {
-        Some(r) if r.try_get::<bool, _>("won")? => Ok(KeyConsumed {
-            row: ConsumeRow::Won {
-                consumed_at: r.try_get("consumed_at")?,
-            },
-            gen: r.try_get("gen")?,
-            subject: r.try_get("subject")?,
-        }),
-        Some(r) => {
-            let e = existing(&r)?;
-            let subject: String = r.try_get("subject")?;
-            if e.state == TokenState::Consumed
-                || (!rec.subject.is_empty() && subject != rec.subject)
-            {
-                return Ok(KeyConsumed {
-                    gen: e.gen,
-                    row: ConsumeRow::Existing(e),
-                    subject,
-                });
-            }
-            // Not claimed, yet our snapshot says issued: a concurrent consume
-            // committed after our snapshot was taken (the conflict check
-            // waited for it and saw `consumed`). A fresh read tells.
-            fresh_read(pool, rec.id).await
-        }
-        // Nothing claimed and nothing in our snapshot: a concurrent consume
-        // inserted the row after our snapshot.
-        None => fresh_read(pool, rec.id).await,
-    }
+    .await
+}
+
+fn is_unique_violation(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("23505"))
 }
 
 async fn fresh_read(pool: &PgPool, id: i64) -> Result<KeyConsumed, DurableError> {
