@@ -281,7 +281,7 @@ impl Ledger {
             .consume_versioned(&token.text, mode, &attempt, self.provisional_ms(), &fields)
             .await;
         if let Ok((ScriptOutcome::Won { at_ms }, version)) = &reply {
-            let mut entry = fields.clone();
+            let mut entry = fields;
             entry.push((journal::AT, at_ms.to_string()));
             entry.push((journal::GEN, version.gen.to_string()));
             self.fleet.decided_in_redis(&gate, entry);
