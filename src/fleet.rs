@@ -23,7 +23,10 @@
 //!   `redis_down` writes what Postgres decided meanwhile (`redis_resync`, with
 //!   generations) to Redis, then, holding the fleet row exclusively, writes
 //!   whatever arrived since and turns the fleet `normal` in that same
-//!   transaction. Only then may an instance's gate open again.
+//!   transaction. Only then may an instance's gate open again. These
+//!   write-backs replace a consumed marker Redis holds at the same
+//!   generation: only a script that reached Redis after its caller timed it
+//!   out (and was answered 503) can have written one during the episode.
 //! - **Lease.** A gate stays open for `fleet.lease` after the report that
 //!   opened it began, so an instance that stalls (paused, starved) stops
 //!   letting Redis decide before its peers stop counting it. A report that
@@ -515,7 +518,7 @@ impl Fleet {
             let done = match e.state {
                 TokenState::Consumed => self
                     .fast
-                    .write_consumed(&q.handle, e.gen, &Marker::from(e))
+                    .write_consumed_over(&q.handle, e.gen, &Marker::from(e))
                     .await
                     .map(|_| ()),
                 TokenState::Issued => {

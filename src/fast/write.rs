@@ -57,6 +57,24 @@ impl FastTier {
             .await
     }
 
+    /// Writes the consumed state Postgres decided at generation `gen` while
+    /// the fleet had Redis down (see `crate::fleet`): as
+    /// [`FastTier::write_consumed`], and it also replaces a marker Redis
+    /// holds at that same generation. Redis can hold one only from a
+    /// consume script that reached it after its caller had given up on the
+    /// call (a paused Redis, a stalled link): that caller was answered 503
+    /// and never told it won, while Postgres's winner was.
+    pub async fn write_consumed_over(
+        &self,
+        token: &str,
+        gen: i64,
+        marker: &Marker,
+    ) -> Result<bool, FastError> {
+        let life = self.consumed_ttl_ms();
+        self.writeback_with(token, "consumed", gen, life, Some(marker), "", true)
+            .await
+    }
+
     /// Writes Postgres's issued state at generation `gen` back, with
     /// `remaining_ms` to live (<= 0 deletes the key): only over an older
     /// generation. `true` when written.
@@ -79,6 +97,23 @@ impl FastTier {
         marker: Option<&Marker>,
         owner: &str,
     ) -> Result<bool, FastError> {
+        self.writeback_with(token, op, gen, ttl_ms, marker, owner, false)
+            .await
+    }
+
+    /// `over`: a consumed state replaces the same generation's marker (see
+    /// [`FastTier::write_consumed_over`]).
+    #[allow(clippy::too_many_arguments)]
+    async fn writeback_with(
+        &self,
+        token: &str,
+        op: &'static str,
+        gen: i64,
+        ttl_ms: i64,
+        marker: Option<&Marker>,
+        owner: &str,
+        over: bool,
+    ) -> Result<bool, FastError> {
         let key = self.token_key(token);
         let script = &self.scripts.writeback;
         let m = marker.cloned().unwrap_or_default();
@@ -95,6 +130,7 @@ impl FastTier {
                 .arg(m.fingerprint.as_deref().unwrap_or(""))
                 .arg(m.result.as_deref().unwrap_or(""))
                 .arg(owner)
+                .arg(if over { "1" } else { "0" })
                 .invoke_async::<i64>(&mut c)
                 .await
                 .map(|n| n == 1)

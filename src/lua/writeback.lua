@@ -8,7 +8,13 @@
 --                      fingerprint, ARGV[7] result ('' none), living ARGV[3]
 --                      ms (<= 0: deleted instead, its retention is over).
 --                      Over the same generation's marker it only adds the
---                      result, if that marker lacks one.
+--                      result, if that marker lacks one; with ARGV[9] '1'
+--                      (Postgres decided this generation while the fleet
+--                      had Redis down) it replaces that marker: Redis's can
+--                      only be a script that ran after its caller gave up
+--                      on it (see `crate::fleet`), whose caller was never
+--                      told it won. A result the replaced marker holds is
+--                      kept when ARGV[7] brings none.
 --          'issued':   issued at generation ARGV[2] (even), living ARGV[3] ms
 --                      (<= 0 deletes the key: the token expired)
 --          'unclaim':  our provisional marker (owner ARGV[8]) goes back to
@@ -51,21 +57,27 @@ if op == 'unclaim' then
 end
 
 if op == 'consumed' then
+  local over = ARGV[9] == '1'
+  local result = ARGV[7]
   if g == want and s == 'c' then
-    if ARGV[7] ~= '' and not h[3] then
+    if over then
+      if result == '' then result = h[3] or '' end
+    elseif ARGV[7] ~= '' and not h[3] then
       redis.call('HSET', key, 'res', ARGV[7])
       return 1
+    else
+      return 0
     end
+  elseif g >= want then
     return 0
   end
-  if g >= want then return 0 end
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local left = math.min(ttl, (tonumber(ARGV[4]) or now) + ttl - now)
   redis.call('DEL', key)
   if left <= 0 then return 1 end
   redis.call('HSET', key, 's', 'c', 'g', want, 'at', ARGV[4], 'rid', ARGV[5], 'fp', ARGV[6])
-  if ARGV[7] ~= '' then redis.call('HSET', key, 'res', ARGV[7]) end
+  if result ~= '' then redis.call('HSET', key, 'res', result) end
   keep_subject()
   redis.call('PEXPIRE', key, left)
   return 1

@@ -347,3 +347,107 @@ async fn with_both_tiers_down_fast_consumes_answer_503_unless_memory_fallback_is
         "{metrics}"
     );
 }
+
+/// A consume with a `request_id`: its status, outcome (or error code) and
+/// whether the answer was a replay.
+async fn consume_as(app: &TestApp, token: &str, request_id: &str) -> Said {
+    let r = app
+        .consume(
+            PAYMENTS,
+            token,
+            &json!({"subject": "fan", "request_id": request_id}),
+        )
+        .await;
+    let (s, _, body) = answer(r).await;
+    let said = body["outcome"].as_str().or(body["error"].as_str());
+    (s, said.map(str::to_owned))
+}
+
+/// A fast consume whose script timed out on its way to a paused Redis runs
+/// there when Redis resumes, after Postgres decided the token for another
+/// caller during the episode: Redis then holds a consumed marker at the
+/// generation Postgres decided, naming a caller that was never told it won.
+/// The return to normal writes Postgres's decision over it, so that
+/// caller's retry learns the token went to the other, not that it won.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_consume_that_reaches_redis_after_the_fleet_decided_in_postgres_never_wins() {
+    let redis = RedisProc::start();
+    let stores = Stores::fresh()
+        .redis(&redis.url())
+        .with(FAST_TIMEOUT)
+        .with("redis.down_after = \"1s\"");
+    let a = spawn_app_on(stores.clone()).await;
+    let b = spawn_app_on(stores).await;
+    let tokens = issue_likes(&a, 30).await;
+    // The consume script is loaded on this Redis (a NOSCRIPT reply would
+    // stop the late scripts before they do anything).
+    let warm = issue_likes(&a, 1).await;
+    assert!(consumed(&consume_on(&a, &warm[0]).await));
+    // The tokens are in Redis, issued.
+    for t in &tokens {
+        wait_redis_state(&redis.conn().await, &a.token_key(t), "i", 5).await;
+    }
+
+    redis.cli(&["CONFIG", "SET", "slowlog-log-slower-than", "0"]);
+    redis.cli(&["CONFIG", "SET", "slowlog-max-len", "100000"]);
+    // Redis stops answering with these consumes' scripts on their way: A
+    // times them out (503, outcome unknown) and they wait in Redis's socket.
+    redis.pause();
+    let late: Vec<Said> = stream::iter(tokens.iter().enumerate())
+        .map(|(i, t)| {
+            let a = &a;
+            async move { consume_as(a, t, &format!("late-{i}")).await }
+        })
+        .buffer_unordered(30)
+        .collect()
+        .await;
+    for x in &late {
+        assert_eq!(x.0, StatusCode::SERVICE_UNAVAILABLE, "{x:?}");
+    }
+    wait_fleet(&a, 15, "redis_down").await;
+    wait_fleet(&b, 15, "redis_down").await;
+    // Postgres decides the tokens, for other callers, via B.
+    for (i, t) in tokens.iter().enumerate() {
+        let x = consume_as(&b, t, &format!("pg-{i}")).await;
+        assert!(consumed(&x), "{t}: {x:?}");
+    }
+    // Redis runs the waiting scripts first, then the fleet returns.
+    redis.resume();
+    wait_fleet(&a, 15, "normal").await;
+    wait_fleet(&b, 15, "normal").await;
+    // Redis's slow log (every command, see above) shows the scripts ran.
+    let log = redis.cli(&["SLOWLOG", "GET", "-1"]);
+    let ran_late = (0..tokens.len())
+        .filter(|i| log.lines().any(|l| l.trim() == format!("late-{i}")))
+        .count();
+    assert!(
+        ran_late > 0,
+        "the timed-out scripts ran in Redis after it resumed (else this test proves nothing)"
+    );
+
+    let (mut twice, mut lost) = (Vec::new(), Vec::new());
+    for (i, t) in tokens.iter().enumerate() {
+        for app in [&a, &b] {
+            let x = eventually(10, || async move {
+                let x = consume_as(app, t, &format!("late-{i}")).await;
+                (x.0 != StatusCode::SERVICE_UNAVAILABLE).then_some(x)
+            })
+            .await;
+            assert_eq!(x.0, StatusCode::OK, "{t}: {x:?}");
+            if consumed(&x) {
+                twice.push(t.clone());
+            }
+        }
+        // The winner's retry replays its win.
+        if !consumed(&consume_as(&a, t, &format!("pg-{i}")).await) {
+            lost.push(t.clone());
+        }
+    }
+    assert!(
+        twice.is_empty() && lost.is_empty(),
+        "of {} tokens: {} answers `consumed` to callers that were told 503, {} winners whose retry no longer said `consumed`",
+        tokens.len(),
+        twice.len(),
+        lost.len()
+    );
+}
