@@ -62,6 +62,10 @@ pub struct Metrics {
     pub pg_consume_queue: IntGauge,
     /// Cluster journal entries whose `XADD` failed, by where they went.
     pub journal_append_fallback: IntCounterVec,
+    /// Keys reconcile read per Redis pipeline (its count: the pipelines).
+    pub redis_pipeline_keys: Histogram,
+    /// Keys of a reconcile page read again alone, by why.
+    pub redis_key_rereads: IntCounterVec,
     pending: Mutex<HashMap<String, StatCounts>>,
 }
 
@@ -222,6 +226,22 @@ impl Metrics {
             &["to"],
         )
         .expect("valid metric");
+        let redis_pipeline_keys = Histogram::with_opts(
+            HistogramOpts::new(
+                "ledger_redis_pipeline_keys",
+                "Keys reconcile read with one Redis pipeline (one per page on a standalone Redis, one per primary and page on a cluster); its _count is the pipelines sent.",
+            )
+            .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0]),
+        )
+        .expect("valid metric");
+        let redis_key_rereads = IntCounterVec::new(
+            Opts::new(
+                "ledger_redis_key_rereads_total",
+                "Cluster: keys of a reconcile page read again alone (following redirects) instead of in their primary's pipeline, by reason: moved, ask, try_again (the pipeline met that reply in the key's slot), no_route (no known primary for the slot, or no connection to it).",
+            ),
+            &["reason"],
+        )
+        .expect("valid metric");
         let build_info = IntGaugeVec::new(
             Opts::new("ledger_build_info", "1, labelled with the running version."),
             &["version"],
@@ -254,6 +274,8 @@ impl Metrics {
             Box::new(pg_batch_size.clone()),
             Box::new(pg_consume_queue.clone()),
             Box::new(journal_append_fallback.clone()),
+            Box::new(redis_pipeline_keys.clone()),
+            Box::new(redis_key_rereads.clone()),
         ] {
             registry.register(c).expect("distinct metric names");
         }
@@ -279,6 +301,9 @@ impl Metrics {
         for to in ["postgres", "memory", "dropped"] {
             journal_append_fallback.with_label_values(&[to]);
         }
+        for r in ["moved", "ask", "try_again", "no_route"] {
+            redis_key_rereads.with_label_values(&[r]);
+        }
         Metrics {
             registry,
             tokens_issued,
@@ -303,6 +328,8 @@ impl Metrics {
             pg_batch_size,
             pg_consume_queue,
             journal_append_fallback,
+            redis_pipeline_keys,
+            redis_key_rereads,
             pending: Mutex::new(HashMap::new()),
         }
     }

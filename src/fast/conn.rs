@@ -490,6 +490,7 @@ impl FastTier {
     pub(super) fn reconnect_cluster(&self) {
         if self.cluster {
             *self.conns.write().unwrap_or_else(|p| p.into_inner()) = None;
+            self.forget_slot_map();
         }
     }
 }

@@ -15,7 +15,8 @@
 //!   release of fast types;
 //! - `health`: the probe that closes the breaker, and the mode;
 //! - `journal`: the journal stream; `scan`: reading and repairing keys for
-//!   reconcile.
+//!   reconcile; `slots`: the cluster's slot map, by which reconcile reads a
+//!   page with one pipeline per primary.
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
@@ -28,6 +29,7 @@ mod consume;
 mod health;
 mod journal;
 mod scan;
+mod slots;
 mod write;
 
 pub use consume::{Attempt, ConsumeMode, KeyArgs, KeyVersion, Marker, ScriptOutcome};
@@ -61,6 +63,7 @@ struct Scripts {
     fast_write: Script,
     issue: Script,
     reconcile: Script,
+    key_state: Script,
 }
 
 pub struct FastTier {
@@ -78,6 +81,9 @@ pub struct FastTier {
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
     cluster: bool,
+    /// Cluster only: the slot map reconcile groups a page's keys by, kept
+    /// until a reply proves it stale (see `slots`).
+    slot_map: std::sync::RwLock<Option<Arc<slots::SlotMap>>>,
     /// Cluster only: journal entries of decisions already made whose
     /// separate `XADD` failed and that Postgres did not take either
     /// ([`FastTier::set_journal_fallback`]). The decision stands (its caller
@@ -120,9 +126,11 @@ impl FastTier {
                 fast_write: Script::new(include_str!("../lua/fast_write.lua")),
                 issue: Script::new(include_str!("../lua/issue.lua")),
                 reconcile: Script::new(include_str!("../lua/reconcile.lua")),
+                key_state: Script::new(include_str!("../lua/key_state.lua")),
             },
             metrics,
             cluster,
+            slot_map: std::sync::RwLock::new(None),
             journal_backlog: Default::default(),
             journal_fallback: std::sync::OnceLock::new(),
         })

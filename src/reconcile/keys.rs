@@ -62,13 +62,15 @@ impl Run<'_> {
         }
         self.scanned.tokens += page.len() as u64;
         let texts: Vec<String> = page.iter().map(|p| p.0.clone()).collect();
-        let (redis_now, states) = self.r.fast.key_states(&texts).await?;
+        let states = self.r.fast.key_states(&texts).await?;
+        // A provisional deadline is judged by the clock of the key's own
+        // node (the one that set it, and that the repair script checks it by).
         let suspects: Vec<usize> = states
             .iter()
             .enumerate()
             .filter(|(_, k)| match k.state {
                 KeyState::Issued | KeyState::Consumed => true,
-                KeyState::Provisional { deadline_ms } => deadline_ms <= redis_now,
+                KeyState::Provisional { .. } => k.stale_provisional(),
                 _ => false,
             })
             .map(|(i, _)| i)
@@ -87,7 +89,7 @@ impl Run<'_> {
             let (text, id, exp_ms) = &page[i];
             let row = rows.get(&id.as_i64());
             match self
-                .key_repair(text, states[i], row, exp_ms - redis_now)
+                .key_repair(text, states[i], row, exp_ms - states[i].now_ms)
                 .await
             {
                 Ok(Some((class, action))) => repairs.push(match row {

@@ -43,7 +43,7 @@ impl Run<'_> {
             after = Some((last.expires_at, last.id));
             self.scanned.tokens += page.len() as u64;
             let texts: Vec<String> = page.iter().map(|t| t.token.clone()).collect();
-            let (_, states) = self.r.fast.key_states(&texts).await?;
+            let states = self.r.fast.key_states(&texts).await?;
             let missing: Vec<&sql::LiveToken> = page
                 .iter()
                 .zip(&states)

@@ -5,8 +5,8 @@
 //! 1. `journal_not_durable`: fast-type journal entries still in the Redis
 //!    stream are written to Postgres (the journal drainer's own code).
 //! 2. A `SCAN` of `<prefix>tok:*` (tokens' and client keys' hashes) in
-//!    pages, each page read with one pipeline and compared with Postgres in
-//!    one query:
+//!    pages, each page read with one pipeline (on a cluster, one per primary)
+//!    and compared with Postgres in one query:
 //!    `redis_live_but_consumed` (Redis says issued at a generation older than
 //!    the one Postgres consumed the token at: the key is deleted, so Postgres
 //!    answers; a fast release Redis decided and the journal has not carried

@@ -23,6 +23,7 @@ mod metrics;
 mod orders;
 mod orders_model;
 mod reconcile;
+mod reconcile_cluster;
 mod redirects;
 mod result_release;
 mod security;

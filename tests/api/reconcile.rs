@@ -25,13 +25,19 @@ use crate::helpers::*;
 /// A reconciler of its own (own pools and Redis connections), as the CLI has.
 fn reconciler(stores: &Stores) -> (Reconciler, Pools) {
     let settings = stores.settings();
-    let pools = Pools::new(&settings.postgres).expect("pools");
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let fast = FastTier::new(
         settings.redis.clone(),
         Arc::new(Metrics::new()),
-        clock.clone(),
+        Arc::new(SystemClock),
     );
+    reconciler_on(stores, fast)
+}
+
+/// A reconciler with pools of its own over the fast tier `fast`.
+pub(crate) fn reconciler_on(stores: &Stores, fast: Arc<FastTier>) -> (Reconciler, Pools) {
+    let settings = stores.settings();
+    let pools = Pools::new(&settings.postgres).expect("pools");
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     (
         Reconciler::new(&settings, pools.admin.clone(), fast, clock),
         pools,
@@ -39,7 +45,11 @@ fn reconciler(stores: &Stores) -> (Reconciler, Pools) {
 }
 
 async fn run(stores: &Stores, dry_run: bool) -> Report {
-    let (r, pools) = reconciler(stores);
+    run_on(reconciler(stores), dry_run).await
+}
+
+/// One whole run (no errors, not interrupted), then the pools closed.
+pub(crate) async fn run_on((r, pools): (Reconciler, Pools), dry_run: bool) -> Report {
     let report = r
         .run(
             &Options {

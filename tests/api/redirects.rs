@@ -14,14 +14,14 @@ use crate::helpers::*;
 
 /// A master of the cluster, from `CLUSTER NODES`.
 #[derive(Debug, Clone)]
-struct Master {
-    id: String,
-    port: u16,
+pub(crate) struct Master {
+    pub(crate) id: String,
+    pub(crate) port: u16,
     /// The slot ranges it serves (migration markers left out).
-    slots: Vec<(u16, u16)>,
+    pub(crate) slots: Vec<(u16, u16)>,
 }
 
-fn masters(cluster: &Cluster) -> Vec<Master> {
+pub(crate) fn masters(cluster: &Cluster) -> Vec<Master> {
     let out = redis_cli(cluster.nodes[0].port, &["cluster", "nodes"]);
     let mut masters = Vec::new();
     for line in out.lines() {
@@ -63,7 +63,7 @@ fn ok(out: String, what: &str) {
 /// told the target owns the slot (the source answers `MOVED`); without, the
 /// slot stays migrating (the source answers `ASK` for the moved keys).
 /// Returns the slot, the source and the target.
-fn move_slot(cluster: &Cluster, key: &str, finish: bool) -> (String, Master, Master) {
+pub(crate) fn move_slot(cluster: &Cluster, key: &str, finish: bool) -> (String, Master, Master) {
     move_slot_to(cluster, key, None, finish)
 }
 
@@ -118,7 +118,7 @@ fn move_slot_to(
 
 /// `CLUSTER SETSLOT slot NODE target` on the target, the source, then the
 /// others.
-fn finish_move(all: &[Master], slot: &str, src: &Master, dst: &Master) {
+pub(crate) fn finish_move(all: &[Master], slot: &str, src: &Master, dst: &Master) {
     let mut order = vec![dst.clone(), src.clone()];
     order.extend(
         all.iter()
