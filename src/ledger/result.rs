@@ -24,6 +24,7 @@ use crate::domain::{Reason, Subject};
 use crate::durable::timed;
 use crate::durable::tokens::{self, Existing, ReleaseRow, ResultDecided, TokenRecord, TokenState};
 use crate::fast::{Attempt, ConsumeMode, FastError, FastWrite, Marker, ScriptOutcome};
+use crate::fleet::FleetState;
 use crate::journal;
 use crate::token::VerifiedToken;
 
@@ -78,7 +79,15 @@ impl Ledger {
         // Set when Postgres decides a fast type's result because the fleet
         // has Redis down: the result is queued for Redis at that epoch.
         let mut fenced = None;
-        if held.durability == Durability::Fast {
+        let fleet = self.fleet.view();
+        if held.durability == Durability::Fast && fleet.state == FleetState::RedisDown {
+            // Postgres decides while the fleet has Redis down, also here,
+            // where Redis answers: a consumed marker there may be a script's
+            // that ran after its caller gave up on it (see `crate::fleet`),
+            // and a result recorded onto it would carry that caller's
+            // request_id to Postgres with the result's journal entry.
+            fenced = Some(fleet.epoch);
+        } else if held.durability == Durability::Fast {
             let fields = journal::result_fields_for(&held.record, &encoded);
             match self
                 .fast

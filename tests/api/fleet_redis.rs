@@ -451,3 +451,119 @@ async fn a_consume_that_reaches_redis_after_the_fleet_decided_in_postgres_never_
         lost.len()
     );
 }
+
+/// While the fleet has Redis down, Postgres decides fast results too, also
+/// on an instance that reaches Redis again before the episode ends. Here the
+/// episode is held open (one decision cannot be written back: its key holds
+/// a string) with Redis answering, and a consumed marker there is a late
+/// script's (as in the test above). Recorded in Redis, the winner's result
+/// would go onto that marker, and its journal entry would carry the late
+/// caller's request_id into Postgres's row, whose write-back then made the
+/// late caller the winner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_result_recorded_while_the_fleet_has_redis_down_is_decided_in_postgres() {
+    let redis = RedisProc::start();
+    let stores = Stores::fresh()
+        .redis(&redis.url())
+        .with(FAST_TIMEOUT)
+        .with("redis.down_after = \"1s\"");
+    let a = spawn_app_on(stores.clone()).await;
+    let b = spawn_app_on(stores).await;
+    // The first token id: its write-back is the first the return tries.
+    let stuck = issue_likes(&a, 1).await.remove(0);
+    let tokens = issue_likes(&a, 10).await;
+    let warm = issue_likes(&a, 1).await;
+    assert!(consumed(&consume_on(&a, &warm[0]).await));
+    let mut conn = redis.conn().await;
+    for t in &tokens {
+        wait_redis_state(&conn, &a.token_key(t), "i", 5).await;
+    }
+    let _: () = redis::cmd("SET")
+        .arg(a.token_key(&stuck))
+        .arg("not a hash")
+        .query_async(&mut conn)
+        .await
+        .expect("set");
+
+    redis.pause();
+    let late: Vec<Said> = stream::iter(tokens.iter().enumerate())
+        .map(|(i, t)| {
+            let a = &a;
+            async move { consume_as(a, t, &format!("late-{i}")).await }
+        })
+        .buffer_unordered(10)
+        .collect()
+        .await;
+    assert!(late.iter().all(|x| x.0 == StatusCode::SERVICE_UNAVAILABLE));
+    wait_fleet(&a, 15, "redis_down").await;
+    wait_fleet(&b, 15, "redis_down").await;
+    assert!(consumed(&consume_as(&b, &stuck, "pg-stuck").await));
+    for (i, t) in tokens.iter().enumerate() {
+        assert!(consumed(&consume_as(&b, t, &format!("pg-{i}")).await));
+    }
+    redis.resume();
+    // Redis answers, the episode stays open (the stuck write-back).
+    eventually(10, || async {
+        (readyz(&b).await["redis"] != "down").then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(readyz(&b).await["fleet"]["state"], "redis_down");
+    for t in &tokens {
+        let r = b
+            .post(
+                PAYMENTS,
+                &format!("/v1/tokens/{t}/result"),
+                &json!({"subject": "fan", "result": {"paid": true}}),
+            )
+            .await;
+        assert_eq!(r.status(), StatusCode::OK, "{t}");
+    }
+    // Postgres has every result (through the journal, if Redis took them).
+    let pg = a.pg().await;
+    eventually(15, || {
+        let pg = pg.clone();
+        let tokens = tokens.clone();
+        async move {
+            let with: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM tokens WHERE token = ANY($1) AND result IS NOT NULL",
+            )
+            .bind(&tokens)
+            .fetch_one(&pg)
+            .await
+            .ok()?;
+            (with == tokens.len() as i64).then_some(())
+        }
+    })
+    .await;
+    let _: () = redis::cmd("DEL")
+        .arg(a.token_key(&stuck))
+        .query_async(&mut conn)
+        .await
+        .expect("del");
+    wait_fleet(&a, 15, "normal").await;
+    wait_fleet(&b, 15, "normal").await;
+
+    let (mut twice, mut lost) = (0, 0);
+    let a = &a;
+    for (i, t) in tokens.iter().enumerate() {
+        let x = eventually(10, || async move {
+            let x = consume_as(a, t, &format!("late-{i}")).await;
+            (x.0 != StatusCode::SERVICE_UNAVAILABLE).then_some(x)
+        })
+        .await;
+        twice += usize::from(consumed(&x));
+        lost += usize::from(!consumed(&consume_as(&b, t, &format!("pg-{i}")).await));
+    }
+    let rids: Vec<String> =
+        sqlx::query_scalar("SELECT request_id FROM tokens WHERE token = ANY($1) ORDER BY id")
+            .bind(&tokens)
+            .fetch_all(&pg)
+            .await
+            .expect("rows");
+    assert!(
+        twice == 0 && lost == 0 && rids.iter().all(|r| r.starts_with("pg-")),
+        "of {} tokens: {twice} late callers told `consumed`, {lost} winners not; Postgres's request ids: {rids:?}",
+        tokens.len()
+    );
+}
