@@ -72,6 +72,31 @@ async fn wait_fleet(app: &TestApp, secs: u64, state: &'static str) -> Value {
 const FAST_TIMEOUT: &str =
     "redis.timeout = \"250ms\"\nbiz.like.issue_rate = \"100000/s\"\nbiz.like.ttl = \"60s\"";
 
+/// Two instances on one Postgres and `redis`, quick to see it down.
+async fn pair_on(redis: &RedisProc) -> (TestApp, TestApp) {
+    let stores = Stores::fresh()
+        .redis(&redis.url())
+        .with(FAST_TIMEOUT)
+        .with("redis.down_after = \"1s\"");
+    (
+        spawn_app_on(stores.clone()).await,
+        spawn_app_on(stores).await,
+    )
+}
+
+/// With Redis paused: a consume of each token on `app` with request id
+/// `late-<i>`, whose script waits in Redis's socket; each answers 503.
+async fn consume_into_a_paused_redis(app: &TestApp, tokens: &[String]) {
+    let late: Vec<Said> = stream::iter(tokens.iter().enumerate())
+        .map(|(i, t)| async move { consume_as(app, t, &format!("late-{i}")).await })
+        .buffer_unordered(tokens.len().max(1))
+        .collect()
+        .await;
+    for x in &late {
+        assert_eq!(x.0, StatusCode::SERVICE_UNAVAILABLE, "{x:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_stalled_link_never_lets_an_instance_decide_fast_consumes_without_redis() {
     let redis = RedisProc::start();
@@ -200,12 +225,7 @@ async fn a_cut_link_makes_that_instance_answer_503_while_the_fleet_uses_redis() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_down_for_the_whole_fleet_then_back_keeps_fast_consumes_exactly_once() {
     let redis = RedisProc::start();
-    let stores = Stores::fresh()
-        .redis(&redis.url())
-        .with(FAST_TIMEOUT)
-        .with("redis.down_after = \"1s\"");
-    let a = spawn_app_on(stores.clone()).await;
-    let b = spawn_app_on(stores).await;
+    let (a, b) = pair_on(&redis).await;
     let just_before = issue_likes(&a, 40).await;
     let during = issue_likes(&a, 40).await;
     let after = issue_likes(&b, 40).await;
@@ -372,12 +392,7 @@ async fn consume_as(app: &TestApp, token: &str, request_id: &str) -> Said {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_consume_that_reaches_redis_after_the_fleet_decided_in_postgres_never_wins() {
     let redis = RedisProc::start();
-    let stores = Stores::fresh()
-        .redis(&redis.url())
-        .with(FAST_TIMEOUT)
-        .with("redis.down_after = \"1s\"");
-    let a = spawn_app_on(stores.clone()).await;
-    let b = spawn_app_on(stores).await;
+    let (a, b) = pair_on(&redis).await;
     let tokens = issue_likes(&a, 30).await;
     // The consume script is loaded on this Redis (a NOSCRIPT reply would
     // stop the late scripts before they do anything).
@@ -393,17 +408,7 @@ async fn a_consume_that_reaches_redis_after_the_fleet_decided_in_postgres_never_
     // Redis stops answering with these consumes' scripts on their way: A
     // times them out (503, outcome unknown) and they wait in Redis's socket.
     redis.pause();
-    let late: Vec<Said> = stream::iter(tokens.iter().enumerate())
-        .map(|(i, t)| {
-            let a = &a;
-            async move { consume_as(a, t, &format!("late-{i}")).await }
-        })
-        .buffer_unordered(30)
-        .collect()
-        .await;
-    for x in &late {
-        assert_eq!(x.0, StatusCode::SERVICE_UNAVAILABLE, "{x:?}");
-    }
+    consume_into_a_paused_redis(&a, &tokens).await;
     wait_fleet(&a, 15, "redis_down").await;
     wait_fleet(&b, 15, "redis_down").await;
     // Postgres decides the tokens, for other callers, via B.
@@ -463,12 +468,7 @@ async fn a_consume_that_reaches_redis_after_the_fleet_decided_in_postgres_never_
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_result_recorded_while_the_fleet_has_redis_down_is_decided_in_postgres() {
     let redis = RedisProc::start();
-    let stores = Stores::fresh()
-        .redis(&redis.url())
-        .with(FAST_TIMEOUT)
-        .with("redis.down_after = \"1s\"");
-    let a = spawn_app_on(stores.clone()).await;
-    let b = spawn_app_on(stores).await;
+    let (a, b) = pair_on(&redis).await;
     // The first token id: its write-back is the first the return tries.
     let stuck = issue_likes(&a, 1).await.remove(0);
     let tokens = issue_likes(&a, 10).await;
@@ -486,15 +486,7 @@ async fn a_result_recorded_while_the_fleet_has_redis_down_is_decided_in_postgres
         .expect("set");
 
     redis.pause();
-    let late: Vec<Said> = stream::iter(tokens.iter().enumerate())
-        .map(|(i, t)| {
-            let a = &a;
-            async move { consume_as(a, t, &format!("late-{i}")).await }
-        })
-        .buffer_unordered(10)
-        .collect()
-        .await;
-    assert!(late.iter().all(|x| x.0 == StatusCode::SERVICE_UNAVAILABLE));
+    consume_into_a_paused_redis(&a, &tokens).await;
     wait_fleet(&a, 15, "redis_down").await;
     wait_fleet(&b, 15, "redis_down").await;
     assert!(consumed(&consume_as(&b, &stuck, "pg-stuck").await));
