@@ -60,6 +60,10 @@ pub struct Metrics {
     pub pg_batch_size: Histogram,
     /// Durable consumes waiting for the next batch.
     pub pg_consume_queue: IntGauge,
+    /// Order events decided by one transaction (their batches).
+    pub pg_order_batch_size: Histogram,
+    /// Order events waiting for the next batch.
+    pub pg_order_queue: IntGauge,
     /// Cluster journal entries whose `XADD` failed, by where they went.
     pub journal_append_fallback: IntCounterVec,
     /// Keys reconcile read per Redis pipeline (its count: the pipelines).
@@ -218,6 +222,19 @@ impl Metrics {
             "Durable consumes waiting for the next batch statement.",
         )
         .expect("valid metric");
+        let pg_order_batch_size = Histogram::with_opts(
+            HistogramOpts::new(
+                "ledger_pg_order_batch_size",
+                "Order events (on distinct orders) decided by one Postgres transaction (1: sent at once; more: collected while postgres.order_batches_in_flight transactions ran).",
+            )
+            .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0]),
+        )
+        .expect("valid metric");
+        let pg_order_queue = IntGauge::new(
+            "ledger_pg_order_queue",
+            "Order events waiting for the next batch transaction.",
+        )
+        .expect("valid metric");
         let journal_append_fallback = IntCounterVec::new(
             Opts::new(
                 "ledger_journal_append_fallback_total",
@@ -273,6 +290,8 @@ impl Metrics {
             Box::new(journal_dead_letters.clone()),
             Box::new(pg_batch_size.clone()),
             Box::new(pg_consume_queue.clone()),
+            Box::new(pg_order_batch_size.clone()),
+            Box::new(pg_order_queue.clone()),
             Box::new(journal_append_fallback.clone()),
             Box::new(redis_pipeline_keys.clone()),
             Box::new(redis_key_rereads.clone()),
@@ -327,6 +346,8 @@ impl Metrics {
             journal_dead_letters,
             pg_batch_size,
             pg_consume_queue,
+            pg_order_batch_size,
+            pg_order_queue,
             journal_append_fallback,
             redis_pipeline_keys,
             redis_key_rereads,

@@ -3,7 +3,11 @@
 //! transaction as the state change, the event row and the audit row. Which
 //! event may follow which state is [`crate::domain::order::transition`]'s
 //! (pure); the statements are [`crate::durable::orders`]'; the token is the
-//! ledger's ([`Ledger::consume_for_order`] takes this module's transaction).
+//! ledger's ([`Ledger::consume_for_order`] takes this module's transaction);
+//! [`batch`] runs events alone or, on distinct orders, several in one
+//! transaction, with the checks and decisions of this module for each.
+
+mod batch;
 
 use std::sync::Arc;
 
@@ -12,12 +16,14 @@ use chrono::{DateTime, Utc};
 use crate::auth::Client;
 use crate::config::Durability;
 use crate::domain::order::{transition, Amounts, OrderEvent, OrderState, TransitionError};
-use crate::domain::{Fingerprint, OrderId, RequestId, Subject};
+use crate::domain::{BizType, Fingerprint, OrderId, RequestId, Subject};
 use crate::durable::orders::{
-    self as sql, LockedOrder, NewOrder, OrderChange, OrderEventRecord, OrderRow, TokenUsage,
+    self as sql, Claimed, LockedOrder, NewOrder, OrderChange, OrderEventRecord, OrderRow,
+    TokenUsage,
 };
 use crate::durable::{timed, DurableError, Pools};
-use crate::ledger::{ConsumeOutcome, Ledger, LedgerError};
+use crate::ledger::{ConsumeOutcome, Ledger, LedgerError, OrderToken};
+use batch::EventBatcher;
 
 /// An order as the API shows it.
 #[derive(Debug, Clone, PartialEq)]
@@ -111,7 +117,7 @@ fn order_of(row: OrderRow, events: Vec<OrderEventRecord>) -> Order {
 
 /// What to do with an event, given the locked order and the token's usage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Decision {
+pub(crate) enum Decision {
     Apply {
         next: OrderState,
         after: Amounts,
@@ -123,7 +129,7 @@ enum Decision {
     Expired,
 }
 
-fn decide(
+pub(crate) fn decide(
     order: &OrderRow,
     usage: &TokenUsage,
     order_id: &str,
@@ -162,17 +168,195 @@ fn decide(
     Ok(Decision::Apply { next, after })
 }
 
+/// One event call, checked as far as it can be without Postgres: what both
+/// ways of running it ([`batch`]) take.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Event<'a> {
+    pub caller: &'a Client,
+    pub order_id: &'a str,
+    pub input: &'a EventInput,
+    pub token: &'a OrderToken,
+}
+
+impl Event<'_> {
+    fn biz(&self) -> &BizType {
+        &self.token.verified().claims.biz_type
+    }
+}
+
+/// An event whose order is locked and checked: the caller may act on the
+/// order, the token is bound to it, and a first decision on what Postgres
+/// knew of the token when it locked the order.
+#[derive(Debug)]
+pub(crate) struct Judged {
+    pub locked: LockedOrder,
+    pub subject: Subject,
+    pub decision: Result<Decision, OrderError>,
+}
+
+impl Judged {
+    /// Whether the decision is taken again on a fresh read of the token: in
+    /// READ COMMITTED the order row is re-read after waiting for its lock,
+    /// but the token columns joined to it come from the statement's
+    /// snapshot, taken before the wait. So a refusal is decided again (the
+    /// happy path needs no second read).
+    pub fn needs_fresh_usage(&self) -> bool {
+        !matches!(self.decision, Ok(Decision::Apply { .. }))
+    }
+
+    /// The decision again, on `usage` (a read after the lock).
+    pub fn decide_again(&mut self, ev: &Event<'_>, usage: &TokenUsage) {
+        self.decision = decide(&self.locked.order, usage, ev.order_id, ev.input);
+    }
+
+    /// What comes next: the write, when the decision is to apply the
+    /// event, or how it ends without one.
+    pub fn next<'a>(self, ev: &Event<'a>) -> Next<'a> {
+        let (next, after) = match self.decision {
+            Ok(Decision::Apply { next, after }) => (next, after),
+            Ok(Decision::Repeat { replay }) => return Next::Done(Outcome::Repeat { replay }),
+            Ok(Decision::Expired) => return Next::Done(Outcome::Expired),
+            Err(e) => return Next::Done(Outcome::Refused(e)),
+        };
+        let input = ev.input;
+        let change = OrderChange {
+            order_id: ev.order_id,
+            kind: input.event.kind(),
+            next_state: next,
+            refunded_minor: after.refunded_minor,
+            amount_minor: match input.event {
+                OrderEvent::Refund { amount_minor } => amount_minor,
+                OrderEvent::Pay | OrderEvent::Close => self.locked.order.amount_minor,
+            },
+            fingerprint: input.fingerprint.as_ref().map(Fingerprint::as_str),
+            request_id: input.request_id.as_ref().map(RequestId::as_str),
+            reason: input.reason.as_deref(),
+        };
+        Next::Write {
+            change,
+            subject: self.subject,
+        }
+    }
+}
+
+/// An event after its decision.
+#[derive(Debug)]
+pub(crate) enum Next<'a> {
+    /// Consume the token (bound to `subject`) and apply `change`.
+    Write {
+        change: OrderChange<'a>,
+        subject: Subject,
+    },
+    /// Nothing to write.
+    Done(Outcome),
+}
+
+/// The checks that need the locked order (`None`: no such order): the
+/// caller may see it, the token is bound to the caller and the order's
+/// subject; then the first decision.
+pub(crate) fn judge(
+    ledger: &Ledger,
+    ev: &Event<'_>,
+    locked: Option<LockedOrder>,
+) -> Result<Judged, OrderError> {
+    let locked = match locked {
+        Some(l) if Orders::visible(ev.caller, &l.order) => l,
+        _ => return Err(OrderError::NotFound),
+    };
+    let subject =
+        Subject::parse(&locked.order.subject).map_err(|e| LedgerError::InvalidRequest(e.0))?;
+    ledger.check_binding(ev.token, ev.caller, &subject)?;
+    let decision = decide(&locked.order, &locked.usage, ev.order_id, ev.input);
+    Ok(Judged {
+        locked,
+        subject,
+        decision,
+    })
+}
+
+/// How an event's transaction ended for it.
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    /// Refused: the answer, nothing written.
+    Refused(OrderError),
+    /// The token's expiry has passed (Postgres's clock); nothing written.
+    Expired,
+    /// This token already applied this event to this order.
+    Repeat { replay: bool },
+    /// The write ran and its transaction committed: the token's claim, or
+    /// `None` when it could not be claimed (nothing of it written).
+    Written(Option<Claimed>),
+}
+
+/// After the transaction: the counters and Redis's write-back. `Ok`: the
+/// answer's outcome, to be sent with the order as it is now.
+pub(crate) fn settle(
+    ledger: &Ledger,
+    ev: &Event<'_>,
+    outcome: Outcome,
+) -> Result<Applied, OrderError> {
+    match outcome {
+        Outcome::Refused(e) => Err(e),
+        Outcome::Expired => {
+            ledger.count_consume(ev.biz(), ConsumeOutcome::Expired);
+            Err(LedgerError::TokenExpired.into())
+        }
+        Outcome::Repeat { replay } => {
+            let (outcome, applied) = if replay {
+                (ConsumeOutcome::Replayed, Applied::Replayed)
+            } else {
+                (ConsumeOutcome::Duplicate, Applied::Duplicate)
+            };
+            ledger.count_consume(ev.biz(), outcome);
+            Ok(applied)
+        }
+        // The token was consumed (or expired) between our read and write.
+        Outcome::Written(None) => Err(OrderError::TokenAlreadyUsed),
+        Outcome::Written(Some(claimed)) => {
+            ledger.order_event_committed(
+                ev.token,
+                claimed,
+                ev.input.request_id.as_ref().map(RequestId::as_str),
+                ev.input.fingerprint.as_ref().map(Fingerprint::as_str),
+            );
+            Ok(Applied::Applied)
+        }
+    }
+}
+
+/// The answer to an event that was applied or repeated: the order as read
+/// after its transaction (`None`: not found).
+pub(crate) fn answer(
+    caller: &Client,
+    applied: Applied,
+    read: Option<(OrderRow, Vec<OrderEventRecord>)>,
+) -> Result<(Applied, Order), OrderError> {
+    match read {
+        Some((row, events)) if Orders::visible(caller, &row) => {
+            Ok((applied, order_of(row, events)))
+        }
+        _ => Err(OrderError::NotFound),
+    }
+}
+
 /// Order operations: the order's statements on the payment pool, its token
-/// through the ledger. Cheap to clone.
+/// through the ledger, its events through [`batch::EventBatcher`]. Cheap to
+/// clone.
 #[derive(Debug, Clone)]
 pub struct Orders {
     ledger: Arc<Ledger>,
     pools: Pools,
+    events: Arc<EventBatcher>,
 }
 
 impl Orders {
     pub fn new(ledger: Arc<Ledger>, pools: Pools) -> Orders {
-        Orders { ledger, pools }
+        let events = Arc::new(EventBatcher::new(ledger.clone(), pools.clone()));
+        Orders {
+            ledger,
+            pools,
+            events,
+        }
     }
 
     fn visible(caller: &Client, row: &OrderRow) -> bool {
@@ -239,8 +423,10 @@ impl Orders {
 
     /// Applies pay, refund or close. One transaction: lock the order, decide
     /// with [`transition`], then one statement consumes the token, changes the
-    /// order and writes the event and audit rows. Refusals roll back, leaving
-    /// the token unconsumed.
+    /// order and writes the event and audit rows. Refusals write nothing,
+    /// leaving the token unconsumed. Events on distinct orders that arrive
+    /// while `postgres.order_batches_in_flight` such transactions run share
+    /// the next one ([`batch`]), each with the answer it would have alone.
     ///
     /// Bounded in time like every payment-path call: a Postgres that stopped
     /// answering costs at most a few statement deadlines and answers 503;
@@ -265,87 +451,20 @@ impl Orders {
         order_id: &str,
         input: &EventInput,
     ) -> Result<(Applied, Order), OrderError> {
-        let ledger = &self.ledger;
         // No I/O: tag, issued by the fleet, biz type known and granted, durable.
-        let token = ledger.check_order_token(caller, &input.token)?;
+        let token = self.ledger.check_order_token(caller, &input.token)?;
         if token.durability() != Durability::Durable {
             return Err(OrderError::DurableTokenRequired);
         }
         if OrderId::parse(order_id).is_err() {
             return Err(OrderError::NotFound);
         }
-        let biz = token.verified().claims.biz_type.clone();
-        let metrics = ledger.metrics();
-        let mut tx = crate::durable::begin(&self.pools.hot)
-            .await
-            .map_err(DurableError::from)?;
-        let locked: LockedOrder = match timed(
-            metrics,
-            "order_lock",
-            sql::lock(&mut tx, order_id, token.verified()),
-        )
-        .await?
-        {
-            Some(l) if Self::visible(caller, &l.order) => l,
-            _ => return Err(OrderError::NotFound),
-        };
-        let subject =
-            Subject::parse(&locked.order.subject).map_err(|e| LedgerError::InvalidRequest(e.0))?;
-        ledger.check_binding(&token, caller, &subject)?;
-        // In READ COMMITTED the order row is re-read after waiting for its
-        // lock, but the token columns joined to it come from the statement's
-        // snapshot, taken before the wait. A refusal is therefore decided again
-        // on a fresh read of the token (the happy path needs no second read).
-        let mut usage = locked.usage.clone();
-        let mut decision = decide(&locked.order, &usage, order_id, input);
-        if !matches!(decision, Ok(Decision::Apply { .. })) {
-            usage = timed(
-                metrics,
-                "order_token",
-                sql::token_usage(&mut tx, token.verified()),
-            )
-            .await?;
-            decision = decide(&locked.order, &usage, order_id, input);
-        }
-        let (next, after) = match decision? {
-            Decision::Apply { next, after } => (next, after),
-            Decision::Repeat { replay } => {
-                drop(tx);
-                let (outcome, applied) = if replay {
-                    (ConsumeOutcome::Replayed, Applied::Replayed)
-                } else {
-                    (ConsumeOutcome::Duplicate, Applied::Duplicate)
-                };
-                ledger.count_consume(&biz, outcome);
-                let order = self.get(caller, order_id).await?;
-                return Ok((applied, order));
-            }
-            Decision::Expired => {
-                ledger.count_consume(&biz, ConsumeOutcome::Expired);
-                return Err(LedgerError::TokenExpired.into());
-            }
-        };
-        let change = OrderChange {
+        let ev = Event {
+            caller,
             order_id,
-            kind: input.event.kind(),
-            next_state: next,
-            refunded_minor: after.refunded_minor,
-            amount_minor: match input.event {
-                OrderEvent::Refund { amount_minor } => amount_minor,
-                OrderEvent::Pay | OrderEvent::Close => locked.order.amount_minor,
-            },
-            fingerprint: input.fingerprint.as_ref().map(Fingerprint::as_str),
-            request_id: input.request_id.as_ref().map(RequestId::as_str),
-            reason: input.reason.as_deref(),
+            input,
+            token: &token,
         };
-        if !ledger
-            .consume_for_order(tx, &token, caller, &subject, &change)
-            .await?
-        {
-            // The token was consumed (or expired) between our read and write.
-            return Err(OrderError::TokenAlreadyUsed);
-        }
-        let order = self.get(caller, order_id).await?;
-        Ok((Applied::Applied, order))
+        self.events.apply(&ev).await
     }
 }

@@ -57,6 +57,8 @@ pub(super) struct RawPostgres {
     pub(super) max_lifetime: String,
     pub(super) consume_batch_size: usize,
     pub(super) consume_batches_in_flight: usize,
+    pub(super) order_batch_size: usize,
+    pub(super) order_batches_in_flight: usize,
 }
 
 #[derive(Debug, Deserialize)]

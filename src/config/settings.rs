@@ -153,6 +153,13 @@ pub struct PostgresSettings {
     /// How many durable consume statements run at once; consumes arriving
     /// while that many are in flight wait for the next batch.
     pub consume_batches_in_flight: usize,
+    /// The most order events (on distinct orders) one transaction decides
+    /// (see [`crate::orders`]'s batches).
+    pub order_batch_size: usize,
+    /// How many order-event transactions run at once; events arriving
+    /// while that many are in flight, or whose order is in one, wait for
+    /// the next batch.
+    pub order_batches_in_flight: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -151,6 +151,8 @@ impl Raw {
             max_lifetime: parse_duration("postgres.max_lifetime", &self.postgres.max_lifetime)?,
             consume_batch_size: self.postgres.consume_batch_size,
             consume_batches_in_flight: self.postgres.consume_batches_in_flight,
+            order_batch_size: self.postgres.order_batch_size,
+            order_batches_in_flight: self.postgres.order_batches_in_flight,
         };
         if postgres.consume_batch_size == 0 || postgres.consume_batch_size > 10_000 {
             return Err(invalid(
@@ -161,6 +163,18 @@ impl Raw {
         if postgres.consume_batches_in_flight == 0 {
             return Err(invalid(
                 "postgres.consume_batches_in_flight",
+                "must be at least 1",
+            ));
+        }
+        if postgres.order_batch_size == 0 || postgres.order_batch_size > 10_000 {
+            return Err(invalid(
+                "postgres.order_batch_size",
+                "must be between 1 and 10000",
+            ));
+        }
+        if postgres.order_batches_in_flight == 0 {
+            return Err(invalid(
+                "postgres.order_batches_in_flight",
                 "must be at least 1",
             ));
         }

@@ -20,6 +20,7 @@ mod issue;
 mod keys;
 mod link;
 mod metrics;
+mod order_batching;
 mod orders;
 mod orders_model;
 mod reconcile;
