@@ -35,7 +35,7 @@ mod write;
 pub use consume::{Attempt, ConsumeMode, KeyArgs, KeyVersion, Marker, ScriptOutcome};
 pub use journal::{JournalEntry, ReadFrom, GROUP};
 pub use scan::{KeyRead, KeyState, ScanNode};
-pub use write::FastWrite;
+pub use write::{ConsumedWrite, FastWrite};
 
 use crate::config::{RedisSettings, RedisTopology};
 use crate::health::Health;

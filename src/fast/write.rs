@@ -1,9 +1,21 @@
 //! Writes to a token's key outside the consume script: the seed of an
 //! issued token, write-backs of what Postgres decided (versioned by
-//! generation), forgetting a key, and result or release of fast types.
+//! generation; many at once in one pipeline), forgetting a key, and result
+//! or release of fast types.
+
+use redis::{ErrorKind, RedisResult, ServerErrorKind};
 
 use super::call::Lane;
 use super::{FastError, FastTier, Marker};
+
+/// One token's consumed state, as Postgres decided it at generation `gen`,
+/// to be written back (see [`FastTier::write_consumed_many`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConsumedWrite {
+    pub token: String,
+    pub gen: i64,
+    pub marker: Marker,
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FastWrite {
@@ -73,6 +85,69 @@ impl FastTier {
         let life = self.consumed_ttl_ms();
         self.writeback_with(token, "consumed", gen, life, Some(marker), "", true)
             .await
+    }
+
+    /// [`FastTier::write_consumed`] for many tokens, with a result per item
+    /// in order (`Ok(true)`: written). On a standalone Redis the write-backs
+    /// go out as one pipeline (one write and one round trip on one
+    /// connection, background lane); a script error of one item (a key of
+    /// another type, say) is that item's. The outer `Err`: the pipeline got
+    /// no reply (its connection failed or it timed out), and any item may
+    /// or may not have been written; each is versioned, so the caller may
+    /// send it again or leave it to reconcile. On a cluster, where a
+    /// pipeline may not cross slots, each is sent on its own, concurrently.
+    pub async fn write_consumed_many(
+        &self,
+        items: &[ConsumedWrite],
+    ) -> Result<Vec<Result<bool, FastError>>, FastError> {
+        if self.cluster || items.len() == 1 {
+            let each = items
+                .iter()
+                .map(|w| self.write_consumed(&w.token, w.gen, &w.marker));
+            return Ok(futures_util::future::join_all(each).await);
+        }
+        let life = self.consumed_ttl_ms();
+        let script = &self.scripts.writeback;
+        let mut p = redis::pipe();
+        p.ignore_errors();
+        for w in items {
+            let m = &w.marker;
+            // The arguments of `writeback` (see `writeback.lua`).
+            p.cmd("EVALSHA")
+                .arg(script.get_hash())
+                .arg(1)
+                .arg(self.token_key(&w.token))
+                .arg("consumed")
+                .arg(w.gen)
+                .arg(life)
+                .arg(m.at_ms)
+                .arg(m.request_id.as_deref().unwrap_or(""))
+                .arg(m.fingerprint.as_deref().unwrap_or(""))
+                .arg(m.result.as_deref().unwrap_or(""))
+                .arg("")
+                .arg("0");
+        }
+        let p = &p;
+        let replies: Vec<RedisResult<i64>> = self
+            .call_idempotent(Lane::Background, "writeback_pipeline", |mut c| async move {
+                let replies: Vec<RedisResult<i64>> = p.query_async(&mut c).await?;
+                let no_script = |r: &RedisResult<i64>| {
+                    matches!(r, Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript))
+                };
+                if !replies.iter().any(no_script) {
+                    return Ok(replies);
+                }
+                // Redis lost its scripts (a restart, SCRIPT FLUSH): load it
+                // and send them all again. Versioned, so the items that ran
+                // the first time write nothing the second.
+                script.load_async(&mut c).await?;
+                p.query_async(&mut c).await
+            })
+            .await?;
+        Ok(replies
+            .into_iter()
+            .map(|r| r.map(|n| n == 1).map_err(FastError::from))
+            .collect())
     }
 
     /// Writes Postgres's issued state at generation `gen` back, with

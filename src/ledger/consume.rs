@@ -8,14 +8,15 @@ use chrono::{DateTime, Utc};
 use serde_json::Value as Json;
 
 use super::core::{ms, ms_to_time};
-use super::degraded::Resync;
 use super::{ConsumeAnswer, ConsumeInput, ConsumeOutcome, DuplicateStatus, Ledger, LedgerError};
 use crate::auth::Client;
 use crate::config::Durability;
 use crate::domain::{Fingerprint, RequestId};
 use crate::durable::tokens::{self, ConsumeRow, Existing, TokenRecord, TokenState};
 use crate::durable::{timed, DurableError};
-use crate::fast::{Attempt, ConsumeMode, FastError, KeyVersion, Marker, ScriptOutcome};
+use crate::fast::{
+    Attempt, ConsumeMode, ConsumedWrite, FastError, KeyVersion, Marker, ScriptOutcome,
+};
 use crate::journal;
 use crate::token::VerifiedToken;
 
@@ -394,22 +395,15 @@ impl Ledger {
     }
 
     /// Writes Postgres's consumed state at generation `gen` to Redis off the
-    /// answer's path (queued for later when Redis cannot be written). The
-    /// write applies only over an older generation, so a late or repeated
-    /// one never undoes a release or a newer consume.
+    /// answer's path, in a pipeline with the others on their way (queued
+    /// for later when Redis cannot be written). The write applies only over
+    /// an older generation, so a late or repeated one never undoes a release
+    /// or a newer consume.
     pub(super) fn settle_consumed_in_background(&self, token: &str, gen: i64, marker: Marker) {
-        let fast = self.fast.clone();
-        let text = token.to_owned();
-        let resync = self.resync.clone();
-        tokio::spawn(async move {
-            if let Err(e) = fast.write_consumed(&text, gen, &marker).await {
-                tracing::debug!(error = %e, "consumed marker not written to redis; queued");
-                resync.push(Resync::Consumed {
-                    token: text,
-                    gen,
-                    marker,
-                });
-            }
+        self.writebacks.push(ConsumedWrite {
+            token: token.to_owned(),
+            gen,
+            marker,
         });
     }
 

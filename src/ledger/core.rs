@@ -10,6 +10,7 @@ use chrono::{DateTime, TimeZone, Utc};
 
 use super::degraded::{Fallback, ResyncQueue};
 use super::issue::IssueLimits;
+use super::settle::WriteBacks;
 use super::{ConsumeOutcome, LedgerError};
 use crate::auth::Client;
 use crate::bloom::{IssuedFilter, Verdict};
@@ -50,6 +51,8 @@ pub struct Ledger {
     pub(super) batcher: ConsumeBatcher,
     /// The fleet's agreement on Redis: who decides fast types now.
     pub(super) fleet: Arc<Fleet>,
+    /// Consumed states on their way to Redis (step 4), pipelined.
+    pub(super) writebacks: Arc<WriteBacks>,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -94,10 +97,12 @@ impl Ledger {
             clock.clone(),
             &metrics,
         ));
+        let resync = Arc::new(ResyncQueue::new(metrics.resync_depth.clone()));
         Ledger {
             batcher,
             fleet,
-            resync: Arc::new(ResyncQueue::new(metrics.resync_depth.clone())),
+            writebacks: Arc::new(WriteBacks::new(fast.clone(), resync.clone())),
+            resync,
             fallback: Fallback::new(&settings.redis),
             limiters: IssueLimits::new(&settings),
             bloom,

@@ -32,6 +32,7 @@
 //! - `issue`: issuing, its rate limit and the Redis seed;
 //! - `consume`: steps 2 to 4, with `classify` and `answer_from_row`, which
 //!   turn what an earlier consume left behind into an answer;
+//! - `settle`: step 4's write-backs of consumed states, pipelined;
 //! - `degraded`: fast consumes while Redis is skipped, and the queue of
 //!   Redis writes replayed when it is back;
 //! - `orders`: the token of an order event, consumed in the order's
@@ -51,6 +52,7 @@ mod keys;
 mod orders;
 mod read;
 mod result;
+mod settle;
 
 pub use crate::durable::keys::KeyState;
 pub use api::{

@@ -32,3 +32,4 @@ mod startup_checks;
 mod tls;
 mod token_state;
 mod versions;
+mod writeback;
