@@ -91,6 +91,11 @@ pub fn redact(text: &str) -> String {
 #[derive(Clone)]
 pub struct TokenCodec {
     keys: Vec<SigningKey>,
+    /// Each key's HMAC with the key already absorbed (its two padded key
+    /// blocks hashed once, here), cloned for every tag and binding instead
+    /// of keyed again: two SHA-256 blocks fewer per HMAC, two HMACs per
+    /// token signed or presented.
+    keyed: Vec<HmacSha256>,
 }
 
 impl std::fmt::Debug for TokenCodec {
@@ -105,12 +110,14 @@ impl TokenCodec {
     /// configuration validation rules out.
     pub fn new(keys: Vec<SigningKey>) -> TokenCodec {
         assert!(!keys.is_empty(), "at least one signing key");
-        TokenCodec { keys }
-    }
-
-    fn mac(key: &SigningKey) -> HmacSha256 {
         // HMAC accepts keys of any length, so this cannot fail.
-        <HmacSha256 as Mac>::new_from_slice(&key.secret).expect("HMAC takes any key length")
+        let keyed = keys
+            .iter()
+            .map(|k| {
+                <HmacSha256 as Mac>::new_from_slice(&k.secret).expect("HMAC takes any key length")
+            })
+            .collect();
+        TokenCodec { keys, keyed }
     }
 
     fn core(mac: &mut HmacSha256, biz: &str, kid: &str, version: u8, id: u64, exp: u32) {
@@ -123,16 +130,17 @@ impl TokenCodec {
     }
 
     fn binding(
-        key: &SigningKey,
+        &self,
+        key: usize,
         biz: &str,
         id: u64,
         exp: u32,
         client: &str,
         subject: &str,
     ) -> HmacSha256 {
-        let mut mac = Self::mac(key);
+        let mut mac = self.keyed[key].clone();
         mac.update(b"idl1-bind");
-        Self::core(&mut mac, biz, &key.id, VERSION, id, exp);
+        Self::core(&mut mac, biz, &self.keys[key].id, VERSION, id, exp);
         mac.update(client.as_bytes());
         mac.update(&[0]);
         mac.update(subject.as_bytes());
@@ -140,16 +148,17 @@ impl TokenCodec {
     }
 
     fn tag(
-        key: &SigningKey,
+        &self,
+        key: usize,
         biz: &str,
         version: u8,
         id: u64,
         exp: u32,
         binding: &[u8],
     ) -> HmacSha256 {
-        let mut mac = Self::mac(key);
+        let mut mac = self.keyed[key].clone();
         mac.update(b"idl1");
-        Self::core(&mut mac, biz, &key.id, version, id, exp);
+        Self::core(&mut mac, biz, &self.keys[key].id, version, id, exp);
         mac.update(binding);
         mac
     }
@@ -159,10 +168,12 @@ impl TokenCodec {
         let key = &self.keys[0];
         let biz = claims.biz_type.as_str();
         let (id, exp) = (claims.id.0, claims.exp);
-        let binding = Self::binding(key, biz, id, exp, client, subject)
+        let binding = self
+            .binding(0, biz, id, exp, client, subject)
             .finalize()
             .into_bytes();
-        let tag = Self::tag(key, biz, VERSION, id, exp, &binding[..BIND_LEN])
+        let tag = self
+            .tag(0, biz, VERSION, id, exp, &binding[..BIND_LEN])
             .finalize()
             .into_bytes();
         let mut payload = [0u8; PAYLOAD_LEN];
@@ -201,7 +212,6 @@ impl TokenCodec {
             .iter()
             .position(|k| k.id == kid)
             .ok_or(TokenError::UnknownKey)?;
-        let key = &self.keys[key_index];
         let mut id = [0u8; 8];
         id.copy_from_slice(&payload[1..9]);
         let id = u64::from_be_bytes(id);
@@ -210,7 +220,7 @@ impl TokenCodec {
         let exp = u32::from_be_bytes(exp);
         let mut binding = [0u8; BIND_LEN];
         binding.copy_from_slice(&payload[13..21]);
-        Self::tag(key, biz, payload[0], id, exp, &binding)
+        self.tag(key_index, biz, payload[0], id, exp, &binding)
             .verify_truncated_left(&payload[21..37])
             .map_err(|_| TokenError::BadTag)?;
         if id >> 63 != 0 {
@@ -230,11 +240,17 @@ impl TokenCodec {
 
     /// Was this (verified) token issued to `client` for `subject`?
     pub fn is_bound_to(&self, token: &VerifiedToken, client: &str, subject: &str) -> bool {
-        let key = &self.keys[token.key_index];
         let c = &token.claims;
-        Self::binding(key, c.biz_type.as_str(), c.id.0, c.exp, client, subject)
-            .verify_truncated_left(&token.binding)
-            .is_ok()
+        self.binding(
+            token.key_index,
+            c.biz_type.as_str(),
+            c.id.0,
+            c.exp,
+            client,
+            subject,
+        )
+        .verify_truncated_left(&token.binding)
+        .is_ok()
     }
 }
 
