@@ -98,11 +98,16 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .default_service(web::to(not_found));
 }
 
-/// Request id, a tracing span per request, the latency histogram and the
-/// answer counter by route pattern (never by raw path, which holds tokens and
-/// would make the label set unbounded). The pattern is read
+/// Request id, the latency histogram and the answer counter by route
+/// pattern (never by raw path, which holds tokens and would make the label
+/// set unbounded), and the log lines of server errors. The pattern is read
 /// after routing, from the resource the router matched: asking before would
 /// match the path against every route a second time.
+///
+/// The request's span is at debug: at info (the default) it would be made,
+/// its fields formatted, and entered and left on every poll of the request,
+/// for log lines that at info only server errors write; those carry the
+/// request id, method and route themselves.
 pub async fn observe(
     req: ServiceRequest,
     next: Next<impl MessageBody + 'static>,
@@ -114,9 +119,9 @@ pub async fn observe(
         .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
         .map(str::to_owned)
         .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
-    let method = req.method().to_string();
+    let method = req.method().clone();
     let state = req.app_data::<web::Data<AppState>>().cloned();
-    let span = tracing::info_span!(
+    let span = tracing::debug_span!(
         "request",
         %request_id,
         %method,
@@ -142,26 +147,41 @@ pub async fn observe(
             .request_duration
             .with_label_values(&[endpoint.as_str()])
             .observe(elapsed.as_secs_f64());
-        metrics.http_request(&endpoint, &method, status);
+        metrics.http_request(&endpoint, method.as_str(), status);
     }
     let mut res = res?;
-    let client = res
-        .request()
-        .extensions()
-        .get::<String>()
-        .cloned()
-        .unwrap_or_default();
-    // One line per request costs as much CPU as a forged request's whole
-    // refusal: at info only for server errors, every request at debug
-    // (`RUST_LOG=info,idempotency_ledger::http=debug` for an access log).
     let latency_us = elapsed.as_micros() as u64;
-    span.in_scope(|| {
-        if status >= 500 {
-            tracing::info!(status, client = %client, latency_us, "handled");
-        } else {
-            tracing::debug!(status, client = %client, latency_us, "handled");
+    let client = || {
+        res.request()
+            .extensions()
+            .get::<String>()
+            .cloned()
+            .unwrap_or_default()
+    };
+    if status >= 500 {
+        // The cause of a server error we answered (never sent to the client).
+        if let Some(e) = res
+            .response()
+            .error()
+            .and_then(|e| e.as_error::<ApiError>())
+        {
+            e.log_cause(&request_id, method.as_str(), &endpoint);
         }
-    });
+        tracing::info!(
+            status,
+            client = %client(),
+            latency_us,
+            %request_id,
+            %method,
+            route = endpoint.as_str(),
+            "handled"
+        );
+    } else if tracing::enabled!(tracing::Level::DEBUG) {
+        // One line per request costs as much CPU as a forged request's
+        // whole refusal: at debug only
+        // (`RUST_LOG=info,idempotency_ledger::http=debug` for an access log).
+        span.in_scope(|| tracing::debug!(status, client = %client(), latency_us, "handled"));
+    }
     if let Ok(v) = HeaderValue::from_str(&request_id) {
         res.headers_mut()
             .insert(HeaderName::from_static("x-request-id"), v);

@@ -170,17 +170,24 @@ impl From<LedgerError> for ApiError {
     }
 }
 
+impl ApiError {
+    /// Logs the cause of a server error (by the request's middleware, which
+    /// knows the request id; see `http::observe`).
+    pub fn log_cause(&self, request_id: &str, method: &str, route: &str) {
+        if let Some(source) = &self.source {
+            if self.status.is_server_error() {
+                tracing::error!(code = self.code, error = ?source, request_id, method, route, "request failed");
+            }
+        }
+    }
+}
+
 impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
         self.status
     }
 
     fn error_response(&self) -> HttpResponse {
-        if let Some(source) = &self.source {
-            if self.status.is_server_error() {
-                tracing::error!(code = self.code, error = ?source, "request failed");
-            }
-        }
         let mut body = Map::new();
         body.insert("error".into(), json!(self.code));
         body.insert("message".into(), json!(self.message));
