@@ -20,6 +20,35 @@ pub(super) enum Lane {
     Background,
 }
 
+/// `EVALSHA` of `script` naming `keys` keys, to which the caller adds the
+/// keys and arguments: one command whose arguments are written into one
+/// buffer, where `ScriptInvocation` allocates each on its own and copies
+/// them all into such a command. Sent by [`run_script`].
+pub(super) fn evalsha(script: &redis::Script, keys: usize) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(script.get_hash()).arg(keys);
+    cmd
+}
+
+/// Sends an [`evalsha`] command; when Redis does not have the script
+/// (NOSCRIPT: a restart, a failover, `SCRIPT FLUSH`) it is loaded and the
+/// command sent once more, as `ScriptInvocation::invoke_async` does (the
+/// command did not run the first time).
+pub(super) async fn run_script<T: redis::FromRedisValue>(
+    script: &redis::Script,
+    cmd: &redis::Cmd,
+    c: &mut Conn,
+) -> Result<T, redis::RedisError> {
+    use redis::{ErrorKind, ServerErrorKind};
+    match cmd.query_async(c).await {
+        Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+            script.load_async(c).await?;
+            cmd.query_async(c).await
+        }
+        other => other,
+    }
+}
+
 /// Redirects followed per call: a resharding can answer `MOVED` (the slot
 /// has a new owner) and then `ASK` (the key is being migrated on from it).
 const MAX_REDIRECTS: usize = 3;

@@ -1,7 +1,7 @@
 //! The consume script: one attempt on one token's key, and its reply
 //! (the outcome, the key's generation, Redis's clock).
 
-use super::call::Lane;
+use super::call::{evalsha, run_script, Lane};
 use super::{FastError, FastTier};
 
 /// What the consume script found or did.
@@ -163,9 +163,10 @@ impl FastTier {
         let create_at = create_at.as_str();
         let reply: Vec<String> = self
             .call_idempotent(Lane::Serving, "consume", |mut c| async move {
-                let mut inv = script.key(key);
+                let mut inv = evalsha(script, if append { 2 } else { 1 });
+                inv.arg(key);
                 if append {
-                    inv.key(journal_key);
+                    inv.arg(journal_key);
                 }
                 inv.arg(mode_arg)
                     .arg(owner)
@@ -182,7 +183,7 @@ impl FastTier {
                         inv.arg(*k).arg(v.as_str());
                     }
                 }
-                inv.invoke_async(&mut c).await
+                run_script(script, &inv, &mut c).await
             })
             .await?;
         let (outcome, version) = parse_consume_reply(&reply, self.clock.now_ms())?;

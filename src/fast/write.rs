@@ -5,7 +5,7 @@
 
 use redis::{ErrorKind, RedisResult, ServerErrorKind};
 
-use super::call::Lane;
+use super::call::{evalsha, run_script, Lane};
 use super::{FastError, FastTier, Marker};
 
 /// One token's consumed state, as Postgres decided it at generation `gen`,
@@ -113,10 +113,8 @@ impl FastTier {
         for w in items {
             let m = &w.marker;
             // The arguments of `writeback` (see `writeback.lua`).
-            p.cmd("EVALSHA")
-                .arg(script.get_hash())
-                .arg(1)
-                .arg(self.token_key(&w.token))
+            let mut cmd = evalsha(script, 1);
+            cmd.arg(self.token_key(&w.token))
                 .arg("consumed")
                 .arg(w.gen)
                 .arg(life)
@@ -126,6 +124,7 @@ impl FastTier {
                 .arg(m.result.as_deref().unwrap_or(""))
                 .arg("")
                 .arg("0");
+            p.add_command(cmd);
         }
         let p = &p;
         let replies: Vec<RedisResult<i64>> = self
@@ -195,8 +194,8 @@ impl FastTier {
         let (key, m) = (&key, &m);
         // Versioned, so safe to send again (see `connect`).
         self.call_idempotent(Lane::Background, "writeback", |mut c| async move {
-            script
-                .key(key)
+            let mut cmd = evalsha(script, 1);
+            cmd.arg(key)
                 .arg(op)
                 .arg(gen)
                 .arg(ttl_ms)
@@ -205,8 +204,8 @@ impl FastTier {
                 .arg(m.fingerprint.as_deref().unwrap_or(""))
                 .arg(m.result.as_deref().unwrap_or(""))
                 .arg(owner)
-                .arg(if over { "1" } else { "0" })
-                .invoke_async::<i64>(&mut c)
+                .arg(if over { "1" } else { "0" });
+            run_script::<i64>(script, &cmd, &mut c)
                 .await
                 .map(|n| n == 1)
         })
