@@ -268,27 +268,38 @@ async fn a_write_back_pipeline_that_fails_leaves_reconcile_able_to_repair() {
         assert_eq!(field(&r, &key, "s").await.as_deref(), Some("p"), "{key}");
     }
 
-    // Reconcile, once the claims are past their deadline (300 ms).
+    // Reconcile, once every claim is past its deadline (300 ms) by Redis's
+    // clock.
+    eventually(10, || async {
+        let mut rc = r.clone();
+        let (secs, micros): (i64, i64) =
+            redis::cmd("TIME").query_async(&mut rc).await.expect("time");
+        let now = secs * 1000 + micros / 1000;
+        for w in &items {
+            let d = field(&r, &app.token_key(&w.token), "d").await?;
+            if d.parse::<i64>().ok()? >= now {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
     let settings = stores.settings();
     let pools = Pools::new(&settings.postgres).expect("pools");
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let reconciler = Reconciler::new(&settings, pools.admin.clone(), direct.clone(), clock);
-    let report = eventually(10, || async {
-        let report = reconciler
-            .run(
-                &Options {
-                    dry_run: false,
-                    since: None,
-                },
-                &Quiet,
-                &CancellationToken::new(),
-            )
-            .await
-            .expect("reconcile runs");
-        let repaired = report.repaired.get(Class::StaleProvisional);
-        (repaired == 10).then_some(report)
-    })
-    .await;
+    let report = reconciler
+        .run(
+            &Options {
+                dry_run: false,
+                since: None,
+            },
+            &Quiet,
+            &CancellationToken::new(),
+        )
+        .await
+        .expect("reconcile runs");
+    assert_eq!(report.repaired.get(Class::StaleProvisional), 10);
     assert!(report.errors.is_empty(), "{:?}", report.errors);
     for w in &items {
         let key = app.token_key(&w.token);
