@@ -25,6 +25,7 @@ ORDER = [
 
 
 def per_request(r, idle):
+    idle = r.get("idle", idle)  # a scenario measured in another run brings its own
     n = r["requests"]
     secs = r["seconds"]
     rate = {k: v / idle["seconds"] for k, v in idle["instructions"]["components"].items()}
@@ -58,7 +59,6 @@ def main():
     if len(sys.argv) > 2:
         nat = json.load(open(sys.argv[2]))
         ni = nat["idle"]
-        per_s = {k: v["ns"] / ni["seconds"] for k, v in ni["cpu"].items()}
         for proc, label in [("service", "service"), ("postgres", "Postgres"), ("redis", "Redis")]:
             vals = []
             for s in names:
@@ -66,7 +66,9 @@ def main():
                 if not r:
                     vals.append("-")
                     continue
-                us = max(0.0, r["cpu"][proc]["ns"] - per_s[proc] * r["seconds"]) / r["requests"] / 1000
+                ri = r.get("idle", ni)
+                rate = ri["cpu"][proc]["ns"] / ri["seconds"]
+                us = max(0.0, r["cpu"][proc]["ns"] - rate * r["seconds"]) / r["requests"] / 1000
                 k = r["cpu"][proc]["kernel_share"]
                 vals.append(f"{us:.0f} ({100 * k:.0f} % kernel)" if proc != "postgres" else f"{us:.0f}")
             print(f"| **{label}, µs of CPU per request** | " + " | ".join(vals) + " |")
