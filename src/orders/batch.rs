@@ -341,7 +341,7 @@ impl Inner {
             return outcomes
                 .into_iter()
                 // Not reached: a batch that succeeded decided every event.
-                .map(|o| o.unwrap_or(Outcome::Refused(DurableError::Batch(None).into())))
+                .map(|o| o.unwrap_or_else(|| Outcome::Refused(DurableError::Batch(None).into())))
                 .collect();
         };
         // Refused: an error of a statement, which rolled the transaction
