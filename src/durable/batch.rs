@@ -162,7 +162,9 @@ impl ConsumeBatcher {
             }
             // The batch task ended without answering: only when the runtime
             // stops under it, after the statement may have been sent.
-            Some(answer) => answer.await.unwrap_or_else(|_| Err(DurableError::Batch(None))),
+            Some(answer) => answer
+                .await
+                .unwrap_or_else(|_| Err(DurableError::Batch(None))),
         }
     }
 }
