@@ -5,13 +5,15 @@
 //! [`admin`] for audit queries and stats, [`reconcile`] for reconciliation,
 //! [`bloom`] for the issued-token filter's channel and load, [`marks`] for
 //! the issuance marks, [`usage`] for the pools' use as metrics, [`batch`]
-//! for the group commit of durable consumes).
+//! for the group commit of durable consumes, [`group`] for the group-commit
+//! queue it shares with the order events' batcher).
 //! Every hot statement touches one token or one order key.
 
 pub mod admin;
 pub mod batch;
 pub mod bloom;
 pub mod fleet;
+pub mod group;
 pub mod journal;
 pub mod keys;
 pub mod lease;

@@ -17,11 +17,13 @@
 //!   `consume`, `write`, `health`, `journal`, `scan`; scripts in `lua/`).
 //! - [`health`]: Redis's breaker, latency window and the mode (normal, degraded, redis_down).
 //! - [`durable`]: the Postgres tier: pools, migrations, every SQL statement
-//!   (`durable/`: `tokens`, `orders`, `journal`, `admin`, `reconcile`, ...).
+//!   (`durable/`: `tokens`, `orders`, `journal`, `admin`, `reconcile`, ...;
+//!   `group`: the group-commit queue; `batch`: durable consumes in batches).
 //! - [`ledger`]: issue, consume, result, release: the only module using both tiers
 //!   (`ledger/`: `core`, `issue`, `consume`, `degraded`, `orders`, `result`, `api`).
 //! - [`orders`]: orders and their events, each consuming its token through the
-//!   ledger in the order's transaction.
+//!   ledger in the order's transaction (`orders/batch.rs`: events on
+//!   different orders in one transaction, over the same group-commit queue).
 //! - [`journal`]: fast-type decisions drained from a Redis stream into Postgres.
 //! - [`writer`]: batched Postgres writes that may lag the answer.
 //! - [`metrics`]: Prometheus metrics and fleet-wide stats counters.

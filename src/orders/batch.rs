@@ -1,8 +1,9 @@
 //! Group commit of order events: [`EventBatcher`] runs an event at once, in
 //! its own transaction, while fewer than `postgres.order_batches_in_flight`
-//! event transactions run and none holds its order; the events that arrive
-//! meanwhile form the next batch, decided in one transaction with an answer
-//! per event.
+//! event transactions run and none holds its order or token; the events
+//! that arrive meanwhile form the next batch, decided in one transaction
+//! with an answer per event. The queue is [`crate::durable::group`]'s,
+//! keyed by order and by token.
 //!
 //! A batch's transaction: `BEGIN`; one statement locks every order of the
 //! batch ([`sql::lock_many`]); the checks and [`decide`](super::decide) of
@@ -14,13 +15,13 @@
 //!
 //! What holds, and why:
 //! - **No wait when idle.** An event that finds a free slot runs alone on
-//!   its own task; only events that find every slot busy, or their order in
-//!   a running transaction, wait, and they wait for a transaction that is
+//!   its own task; only events that find every slot busy, or their order or
+//!   token in a running transaction, wait, and they wait for a transaction that is
 //!   already running, not for a timer.
 //! - **Hot orders serialise.** A batch holds at most one event per order
-//!   (and per token), none whose order is in a running transaction: a later
-//!   event of an order waits for the next batch after it, and sees the
-//!   earlier one's outcome as the order's row.
+//!   and per token, none whose order or token is in a running transaction:
+//!   a later event of an order waits for the next batch after it, and sees
+//!   the earlier one's outcome as the order's row.
 //! - **No deadlocks.** A batch locks its orders in one statement, in
 //!   `order_id` order; a single event locks one; tokens are claimed in id
 //!   order, after the orders, as in every statement that takes token rows.
@@ -41,16 +42,14 @@
 //!   statement_timeout`) is answered as a pool wait would be (503) without
 //!   being sent.
 
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
-
-use tokio::sync::oneshot;
+use std::collections::HashMap;
+use std::sync::Arc;
 
 use super::{
     answer, judge, settle, Applied, Event, EventInput, Judged, Next, Order, OrderError, Outcome,
 };
 use crate::auth::Client;
+use crate::durable::group::{GroupCommit, Limits, Slot, Turn, Work};
 use crate::durable::orders::{self as sql, LockItem, OrderChange};
 use crate::durable::tokens::TokenRecord;
 use crate::durable::{timed, DurableError, Pools};
@@ -61,40 +60,22 @@ type Answer = Result<(Applied, Order), OrderError>;
 
 /// Order events, run alone or in batches (see the module's docs). Shared
 /// by every request of the service.
+#[derive(Debug)]
 pub struct EventBatcher {
-    inner: Arc<Inner>,
+    queue: GroupCommit<Events>,
 }
 
-impl std::fmt::Debug for EventBatcher {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EventBatcher")
-            .field("size", &self.inner.size)
-            .field("slots", &self.inner.slots)
-            .finish()
-    }
-}
-
-struct Inner {
+/// How a batch of events is decided.
+struct Events {
     ledger: Arc<Ledger>,
     pools: Pools,
-    /// The most events of one transaction.
-    size: usize,
-    /// The most event transactions running at once.
-    slots: usize,
-    /// How long an event may wait for its batch: as long as it could have
-    /// waited alone for a pooled connection and then for its order's lock.
-    queue_bound: Duration,
-    state: Mutex<State>,
 }
 
-#[derive(Default)]
-struct State {
-    running: usize,
-    /// Orders in a running transaction.
-    busy: HashSet<String>,
-    /// In arrival order. Either `running == slots`, or every event here
-    /// waits for a busy order: [`Inner::dispatch`] keeps it so.
-    queue: VecDeque<Waiting>,
+/// What serialises events: their order, and the token they spend.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Key {
+    Order(String),
+    Token(i64),
 }
 
 /// An event waiting for its batch, with what it was called with.
@@ -116,164 +97,93 @@ impl Queued {
     }
 }
 
-struct Waiting {
-    queued: Queued,
-    since: Instant,
-    reply: oneshot::Sender<Answer>,
-}
-
-/// What [`assemble`] needs of a queued event.
-trait Keyed {
-    fn order_id(&self) -> &str;
-    fn token_id(&self) -> i64;
-}
-
-impl Keyed for Waiting {
-    fn order_id(&self) -> &str {
-        &self.queued.order_id
-    }
-    fn token_id(&self) -> i64 {
-        self.queued.token.verified().claims.id.as_i64()
-    }
+fn keys(order_id: &str, token: &OrderToken) -> [Key; 2] {
+    [
+        Key::Order(order_id.to_owned()),
+        Key::Token(token.verified().claims.id.as_i64()),
+    ]
 }
 
 impl EventBatcher {
     pub fn new(ledger: Arc<Ledger>, pools: Pools) -> EventBatcher {
         let settings = ledger.postgres_settings();
-        let size = settings.order_batch_size.max(1);
-        let slots = settings
-            .order_batches_in_flight
-            .clamp(1, settings.pool_size.max(1) as usize);
-        let queue_bound = settings.acquire_timeout + settings.statement_timeout;
+        let limits = Limits {
+            size: settings.order_batch_size,
+            slots: settings
+                .order_batches_in_flight
+                .clamp(1, settings.pool_size.max(1) as usize),
+            // As long as an event could have waited alone for a pooled
+            // connection and then for its order's lock.
+            queue_bound: settings.acquire_timeout + settings.statement_timeout,
+        };
+        let metrics = ledger.metrics();
+        let (queued, sizes) = (
+            metrics.pg_order_queue.clone(),
+            metrics.pg_order_batch_size.clone(),
+        );
         EventBatcher {
-            inner: Arc::new(Inner {
-                ledger,
-                pools,
-                size,
-                slots,
-                queue_bound,
-                state: Mutex::new(State::default()),
-            }),
+            queue: GroupCommit::new(Events { ledger, pools }, limits, queued, sizes),
         }
     }
 
     /// Runs one event (checked as far as it can be without Postgres) and
     /// answers it.
     pub async fn apply(&self, ev: &Event<'_>) -> Answer {
-        let inner = &self.inner;
-        let waiting = {
-            let mut s = inner.lock();
-            if s.running < inner.slots && !s.busy.contains(ev.order_id) {
-                s.running += 1;
-                s.busy.insert(ev.order_id.to_owned());
-                None
-            } else {
-                let (reply, answer) = oneshot::channel();
-                s.queue.push_back(Waiting {
-                    queued: Queued {
-                        caller: ev.caller.clone(),
-                        order_id: ev.order_id.to_owned(),
-                        input: ev.input.clone(),
-                        token: ev.token.clone(),
-                    },
-                    since: Instant::now(),
-                    reply,
-                });
-                inner.metrics().pg_order_queue.set(s.queue.len() as i64);
-                Some(answer)
-            }
-        };
-        match waiting {
-            None => {
+        let turn = self.queue.enter(keys(ev.order_id, ev.token), || Queued {
+            caller: ev.caller.clone(),
+            order_id: ev.order_id.to_owned(),
+            input: ev.input.clone(),
+            token: ev.token.clone(),
+        });
+        match turn {
+            Turn::Now(slot) => {
                 // Given back when the transaction ended, or when this is
                 // dropped (the request gone).
-                let slot = Slot {
-                    inner: inner.clone(),
-                    orders: vec![ev.order_id.to_owned()],
-                };
-                inner.metrics().pg_order_batch_size.observe(1.0);
-                let outcome = inner.transact(ev).await;
+                let events = self.queue.work();
+                let outcome = events.transact(ev).await;
                 drop(slot);
-                inner.finish(ev, outcome).await
+                events.finish(ev, outcome).await
             }
             // The batch task ended without answering: only when the runtime
             // stops under it, after its transaction may have committed.
-            Some(answer) => answer
+            Turn::Queued(answer) => answer
                 .await
                 .unwrap_or_else(|_| Err(DurableError::Batch(None).into())),
         }
     }
 }
 
-impl Inner {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // The state is consistent after every statement under the lock.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+impl Work for Events {
+    type Key = Key;
+    type Keys = [Key; 2];
+    type Item = Queued;
+    type Answer = Answer;
+
+    fn keys(q: &Queued) -> [Key; 2] {
+        keys(&q.order_id, &q.token)
     }
 
-    fn metrics(&self) -> &crate::metrics::Metrics {
-        self.ledger.metrics()
+    fn waited_too_long() -> Answer {
+        Err(DurableError::Unavailable(sqlx::Error::PoolTimedOut).into())
     }
 
-    /// Starts the batches the free slots allow (after a transaction ended).
-    fn dispatch(self: &Arc<Self>, s: &mut State) {
-        while s.running < self.slots {
-            let batch = assemble(&mut s.queue, self.size, &s.busy);
-            if batch.is_empty() {
-                break;
-            }
-            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-                // No runtime to run it on (the service is stopping): the
-                // events are dropped, and their callers answer 503.
-                continue;
-            };
-            s.running += 1;
-            s.busy
-                .extend(batch.iter().map(|w| w.queued.order_id.clone()));
-            runtime.spawn(self.clone().run(batch));
-        }
-        self.metrics().pg_order_queue.set(s.queue.len() as i64);
-    }
-
-    /// Decides one batch and answers its events.
-    async fn run(self: Arc<Self>, batch: Vec<Waiting>) {
-        let slot = Slot {
-            inner: self.clone(),
-            orders: batch.iter().map(|w| w.queued.order_id.clone()).collect(),
-        };
-        // Events whose caller is gone are not sent; events that waited too
-        // long are answered as a pool wait that timed out (never sent).
-        let mut live = Vec::with_capacity(batch.len());
-        for w in batch {
-            if w.reply.is_closed() {
-                continue;
-            }
-            if w.since.elapsed() > self.queue_bound {
-                let _ = w.reply.send(Err(
-                    DurableError::Unavailable(sqlx::Error::PoolTimedOut).into()
-                ));
-                continue;
-            }
-            live.push(w);
-        }
-        if live.is_empty() {
-            return;
-        }
-        self.metrics()
-            .pg_order_batch_size
-            .observe(live.len() as f64);
-        let events: Vec<Event<'_>> = live.iter().map(|w| w.queued.event()).collect();
+    async fn run(&self, items: Vec<Queued>, slot: Slot<Self>) -> Vec<Answer> {
+        let events: Vec<Event<'_>> = items.iter().map(Queued::event).collect();
         let outcomes = if let [ev] = events.as_slice() {
             vec![self.transact_bounded(ev).await]
         } else {
             self.transact_batch(&events).await
         };
+        // The orders' rows are written: the next events may lock them
+        // while these are answered.
         drop(slot);
-        let answers = self.finish_all(&events, outcomes).await;
-        drop(events);
-        for (w, answer) in live.into_iter().zip(answers) {
-            let _ = w.reply.send(answer);
-        }
+        self.finish_all(&events, outcomes).await
+    }
+}
+
+impl Events {
+    fn metrics(&self) -> &crate::metrics::Metrics {
+        self.ledger.metrics()
     }
 
     /// One event in its own transaction: lock the order, decide, write,
@@ -315,7 +225,7 @@ impl Inner {
         Ok(Outcome::Written(claimed))
     }
 
-    /// [`Inner::transact`] within the deadline a request's event has (the
+    /// [`Events::transact`] within the deadline a request's event has (the
     /// batch task has no request around it).
     async fn transact_bounded(&self, ev: &Event<'_>) -> Outcome {
         let deadline = self.pools.deadline * 2;
@@ -518,119 +428,4 @@ struct Progress {
     outcomes: Vec<Option<Outcome>>,
     /// The write ran: an error now is the write's or the COMMIT's.
     committing: bool,
-}
-
-/// A running transaction's slot and orders: given back when it ends
-/// (however it ends), which starts the next batches.
-struct Slot {
-    inner: Arc<Inner>,
-    orders: Vec<String>,
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        let mut s = self.inner.lock();
-        s.running -= 1;
-        for id in &self.orders {
-            s.busy.remove(id);
-        }
-        self.inner.dispatch(&mut s);
-    }
-}
-
-/// Takes the next batch from `queue`: in arrival order, at most `max`
-/// events, at most one per order and one per token, none whose order is
-/// `busy`. The events left keep their order.
-fn assemble<T: Keyed>(queue: &mut VecDeque<T>, max: usize, busy: &HashSet<String>) -> Vec<T> {
-    let mut batch: Vec<T> = Vec::new();
-    let mut orders: HashSet<String> = HashSet::new();
-    let mut tokens: HashSet<i64> = HashSet::new();
-    let mut skipped = Vec::new();
-    while batch.len() < max {
-        let Some(item) = queue.pop_front() else {
-            break;
-        };
-        let order = item.order_id();
-        let free =
-            !busy.contains(order) && !orders.contains(order) && !tokens.contains(&item.token_id());
-        if free {
-            orders.insert(order.to_owned());
-            tokens.insert(item.token_id());
-            batch.push(item);
-        } else {
-            skipped.push(item);
-        }
-    }
-    for item in skipped.into_iter().rev() {
-        queue.push_front(item);
-    }
-    batch
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{assemble, Keyed};
-    use proptest::prelude::*;
-    use std::collections::{HashSet, VecDeque};
-
-    /// (arrival index, order, token id)
-    #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-    struct Item(usize, String, i64);
-
-    impl Keyed for Item {
-        fn order_id(&self) -> &str {
-            &self.1
-        }
-        fn token_id(&self) -> i64 {
-            self.2
-        }
-    }
-
-    proptest! {
-        /// A batch holds each order and each token once, no busy order, at
-        /// most `max` events; with what stays queued (in its order) it is
-        /// exactly the queue; it is as full as the queue allows, and the
-        /// first event that may go goes.
-        #[test]
-        fn batches_are_distinct_bounded_and_fair(
-            items in proptest::collection::vec((0u8..12, 0i64..30), 0..80),
-            busy in proptest::collection::hash_set(0u8..12, 0..4),
-            max in 1usize..70,
-        ) {
-            let busy: HashSet<String> = busy.iter().map(|o| format!("o-{o}")).collect();
-            let input: Vec<Item> = items
-                .iter()
-                .enumerate()
-                .map(|(i, &(o, t))| Item(i, format!("o-{o}"), t))
-                .collect();
-            let mut queue: VecDeque<Item> = input.iter().cloned().collect();
-            let batch = assemble(&mut queue, max, &busy);
-
-            prop_assert!(batch.len() <= max);
-            let orders: HashSet<&str> = batch.iter().map(|i| i.1.as_str()).collect();
-            let tokens: HashSet<i64> = batch.iter().map(|i| i.2).collect();
-            prop_assert_eq!(orders.len(), batch.len(), "one event per order");
-            prop_assert_eq!(tokens.len(), batch.len(), "one event per token");
-            prop_assert!(batch.iter().all(|i| !busy.contains(&i.1)));
-            prop_assert!(batch.windows(2).all(|w| w[0].0 < w[1].0), "arrival order");
-
-            let mut all: Vec<Item> = batch.iter().chain(queue.iter()).cloned().collect();
-            all.sort();
-            prop_assert_eq!(&all, &input);
-            prop_assert!(queue.iter().zip(queue.iter().skip(1)).all(|(a, b)| a.0 < b.0), "queue order kept");
-
-            let blocked = |i: &Item| busy.contains(&i.1) || orders.contains(i.1.as_str()) || tokens.contains(&i.2);
-            if batch.len() < max {
-                prop_assert!(queue.iter().all(blocked), "as full as it may be");
-            }
-            if let Some(first) = input.iter().find(|i| !busy.contains(&i.1)) {
-                prop_assert!(batch.iter().any(|i| i.0 == first.0), "the first that may go goes");
-            }
-            // Every event of the batch arrived before any event left behind
-            // that could have gone in its place.
-            if let Some(last) = batch.iter().map(|i| i.0).max() {
-                prop_assert!(queue.iter().all(|i| i.0 > last || blocked(i)));
-            }
-        }
-    }
 }

@@ -1,0 +1,356 @@
+//! The queue of group commit, shared by the consume batcher ([`super::batch`])
+//! and the order-event batcher (`crate::orders::batch`): work runs at once
+//! while a slot is free and none of its keys is in a running batch; what
+//! arrives meanwhile waits in arrival order and forms the next batches,
+//! decided by the [`Work`] with an answer per item.
+//!
+//! What it guarantees, whatever the work:
+//! - **No wait when idle.** An item that finds a free slot and none of its
+//!   keys busy runs at once on its caller's task ([`Turn::Now`]); only
+//!   items that find every slot busy, or a key of theirs in a running
+//!   batch, wait, and they wait for a batch that is already running, not
+//!   for a timer.
+//! - **Keys serialise.** No two items with a key in common are in one
+//!   batch, or in two batches that run at once: a later item of a key waits
+//!   for the next batch after the running one, and sees its outcome.
+//! - **Fair.** A batch takes the items that may go in arrival order; no
+//!   item that may go is passed over for a later one.
+//! - **Bounded.** At most `size` items in a batch and `slots` batches at
+//!   once; an item that waited longer than `queue_bound` is answered
+//!   [`Work::waited_too_long`] without being sent, and an item whose caller
+//!   is gone is dropped unsent.
+//! - **Released however it ends.** A running batch (or lone item) holds a
+//!   [`Slot`]; dropping it (done, failed, or the caller gone) frees the slot
+//!   and the keys and starts the batches they allow.
+//! - **Answered or known unknown.** A batch's answers go back in order; an
+//!   item whose batch ended without answering it (the runtime stopping)
+//!   sees its receiver closed, which its caller answers as an outcome
+//!   unknown (503).
+
+use std::cmp::Ordering;
+use std::collections::{HashSet, VecDeque};
+use std::future::Future;
+use std::hash::Hash;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use prometheus::{Histogram, IntGauge};
+use tokio::sync::oneshot;
+
+/// What a [`GroupCommit`] queues and how a batch of it is decided.
+pub trait Work: Send + Sync + Sized + 'static {
+    /// What serialises items (a token id, an order id).
+    type Key: Eq + Hash + Clone + Send + Sync + 'static;
+    /// An item's keys, held by value (an array: no allocation).
+    type Keys: AsRef<[Self::Key]> + Send + Sync + 'static;
+    /// A queued item.
+    type Item: Send + 'static;
+    type Answer: Send + 'static;
+
+    /// The keys of a queued item.
+    fn keys(item: &Self::Item) -> Self::Keys;
+
+    /// The answer of an item that waited longer than the queue's bound.
+    fn waited_too_long() -> Self::Answer;
+
+    /// The order of the items within a batch that [`Work::run`] gets
+    /// (a stable sort; by default arrival order).
+    fn batch_order(_a: &Self::Item, _b: &Self::Item) -> Ordering {
+        Ordering::Equal
+    }
+
+    /// Decides a batch (no key twice) and gives an answer per item, in
+    /// order. `slot` is the batch's hold on its slot and keys: dropping it
+    /// (at the latest when the future ends) lets the next batches start.
+    fn run(
+        &self,
+        items: Vec<Self::Item>,
+        slot: Slot<Self>,
+    ) -> impl Future<Output = Vec<Self::Answer>> + Send;
+}
+
+/// How large and how many batches, and how long an item may wait.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// The most items of one batch (at least 1).
+    pub size: usize,
+    /// The most batches running at once (at least 1).
+    pub slots: usize,
+    /// How long an item may wait for its batch.
+    pub queue_bound: Duration,
+}
+
+/// A group-commit queue in front of a [`Work`] (see the module's docs).
+pub struct GroupCommit<W: Work> {
+    shared: Arc<Shared<W>>,
+}
+
+impl<W: Work> std::fmt::Debug for GroupCommit<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GroupCommit")
+            .field("limits", &self.shared.limits)
+            .finish()
+    }
+}
+
+/// What [`GroupCommit::enter`] decided for an item.
+pub enum Turn<W: Work> {
+    /// A slot was free and none of the item's keys busy: run it now, alone,
+    /// while holding the slot.
+    Now(Slot<W>),
+    /// Queued: the answer comes from the batch it joins (`Err`: that batch
+    /// ended without answering, its outcome unknown).
+    Queued(oneshot::Receiver<W::Answer>),
+}
+
+/// A running batch's (or lone item's) slot and keys: given back when
+/// dropped, which starts the next batches.
+pub struct Slot<W: Work> {
+    shared: Arc<Shared<W>>,
+    keys: Vec<W::Keys>,
+}
+
+struct Shared<W: Work> {
+    work: W,
+    limits: Limits,
+    /// Items waiting.
+    queued: IntGauge,
+    /// Items per batch (1 for an item run at once).
+    sizes: Histogram,
+    state: Mutex<State<W>>,
+}
+
+struct State<W: Work> {
+    running: usize,
+    /// Keys in a running batch.
+    busy: HashSet<W::Key>,
+    /// In arrival order. Either `running == slots`, or every item here
+    /// waits for a busy key: [`Shared::dispatch`] keeps it so.
+    queue: VecDeque<Waiting<W>>,
+}
+
+struct Waiting<W: Work> {
+    item: W::Item,
+    since: Instant,
+    reply: oneshot::Sender<W::Answer>,
+}
+
+impl<W: Work> GroupCommit<W> {
+    pub fn new(work: W, limits: Limits, queued: IntGauge, sizes: Histogram) -> GroupCommit<W> {
+        let limits = Limits {
+            size: limits.size.max(1),
+            slots: limits.slots.max(1),
+            ..limits
+        };
+        GroupCommit {
+            shared: Arc::new(Shared {
+                work,
+                limits,
+                queued,
+                sizes,
+                state: Mutex::new(State {
+                    running: 0,
+                    busy: HashSet::new(),
+                    queue: VecDeque::new(),
+                }),
+            }),
+        }
+    }
+
+    pub fn work(&self) -> &W {
+        &self.shared.work
+    }
+
+    /// Runs an item now or queues it: `keys` are its keys, `item` makes
+    /// what is queued (only when it is).
+    pub fn enter(&self, keys: W::Keys, item: impl FnOnce() -> W::Item) -> Turn<W> {
+        let shared = &self.shared;
+        let mut s = shared.lock();
+        let free =
+            s.running < shared.limits.slots && !keys.as_ref().iter().any(|k| s.busy.contains(k));
+        if free {
+            s.running += 1;
+            s.busy.extend(keys.as_ref().iter().cloned());
+            drop(s);
+            shared.sizes.observe(1.0);
+            return Turn::Now(Slot {
+                shared: shared.clone(),
+                keys: vec![keys],
+            });
+        }
+        let (reply, answer) = oneshot::channel();
+        s.queue.push_back(Waiting {
+            item: item(),
+            since: Instant::now(),
+            reply,
+        });
+        shared.queued.set(s.queue.len() as i64);
+        Turn::Queued(answer)
+    }
+}
+
+impl<W: Work> Shared<W> {
+    fn lock(&self) -> MutexGuard<'_, State<W>> {
+        // The state is consistent after every statement under the lock.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts the batches the free slots and keys allow.
+    fn dispatch(self: &Arc<Self>, s: &mut State<W>) {
+        while s.running < self.limits.slots {
+            let mut batch = assemble(&mut s.queue, self.limits.size, &s.busy, |w| {
+                W::keys(&w.item)
+            });
+            if batch.is_empty() {
+                break;
+            }
+            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                // No runtime to run it on (the service is stopping): the
+                // items are dropped, and their callers answer 503.
+                continue;
+            };
+            batch.sort_by(|a, b| W::batch_order(&a.item, &b.item));
+            let keys: Vec<W::Keys> = batch.iter().map(|w| W::keys(&w.item)).collect();
+            s.running += 1;
+            for k in &keys {
+                s.busy.extend(k.as_ref().iter().cloned());
+            }
+            let slot = Slot {
+                shared: self.clone(),
+                keys,
+            };
+            runtime.spawn(Shared::run(self.clone(), batch, slot));
+        }
+        self.queued.set(s.queue.len() as i64);
+    }
+
+    /// Decides one batch and answers its items.
+    async fn run(self: Arc<Self>, batch: Vec<Waiting<W>>, slot: Slot<W>) {
+        let mut items = Vec::with_capacity(batch.len());
+        let mut replies = Vec::with_capacity(batch.len());
+        for w in batch {
+            if w.reply.is_closed() {
+                continue;
+            }
+            if w.since.elapsed() > self.limits.queue_bound {
+                let _ = w.reply.send(W::waited_too_long());
+                continue;
+            }
+            items.push(w.item);
+            replies.push(w.reply);
+        }
+        if items.is_empty() {
+            return;
+        }
+        self.sizes.observe(items.len() as f64);
+        let answers = self.work.run(items, slot).await;
+        for (reply, answer) in replies.into_iter().zip(answers) {
+            let _ = reply.send(answer);
+        }
+    }
+}
+
+impl<W: Work> Drop for Slot<W> {
+    fn drop(&mut self) {
+        let shared = &self.shared;
+        let mut s = shared.lock();
+        s.running -= 1;
+        for keys in &self.keys {
+            for k in keys.as_ref() {
+                s.busy.remove(k);
+            }
+        }
+        shared.dispatch(&mut s);
+    }
+}
+
+/// Takes the next batch from `queue`: in arrival order, at most `max`
+/// items, none with a key that is `busy` or already in the batch (`keys`
+/// gives an item's keys; one named twice counts once). The items left keep
+/// their order.
+pub fn assemble<T, K, Ks>(
+    queue: &mut VecDeque<T>,
+    max: usize,
+    busy: &HashSet<K>,
+    keys: impl Fn(&T) -> Ks,
+) -> Vec<T>
+where
+    K: Eq + Hash + Clone,
+    Ks: AsRef<[K]>,
+{
+    let mut batch: Vec<T> = Vec::new();
+    let mut taken: HashSet<K> = HashSet::new();
+    let mut skipped = Vec::new();
+    while batch.len() < max {
+        let Some(item) = queue.pop_front() else {
+            break;
+        };
+        let ks = keys(&item);
+        let ks = ks.as_ref();
+        let free = ks.iter().all(|k| !busy.contains(k) && !taken.contains(k));
+        if free {
+            taken.extend(ks.iter().cloned());
+            batch.push(item);
+        } else {
+            skipped.push(item);
+        }
+    }
+    for item in skipped.into_iter().rev() {
+        queue.push_front(item);
+    }
+    batch
+}
+
+#[cfg(test)]
+mod tests {
+    use super::assemble;
+    use proptest::prelude::*;
+    use std::collections::{HashSet, VecDeque};
+
+    proptest! {
+        /// A batch holds no key twice and no busy key, at most `max` items,
+        /// in arrival order; with what stays queued (in its order) it is
+        /// exactly the queue; it is as full as the queue allows, the first
+        /// item that may go goes, and no item that could have gone is left
+        /// behind for a later one.
+        #[test]
+        fn batches_are_distinct_bounded_and_fair(
+            items in proptest::collection::vec(proptest::collection::vec(0u8..16, 1..3), 0..80),
+            busy in proptest::collection::hash_set(0u8..16, 0..5),
+            max in 1usize..70,
+        ) {
+            // Items are (arrival index, keys).
+            let input: Vec<(usize, Vec<u8>)> = items.iter().cloned().enumerate().collect();
+            let mut queue: VecDeque<(usize, Vec<u8>)> = input.iter().cloned().collect();
+            let batch = assemble(&mut queue, max, &busy, |(_, ks)| ks.clone());
+
+            prop_assert!(batch.len() <= max);
+            // Each item's keys once, however often it names them.
+            let taken: Vec<u8> = batch
+                .iter()
+                .flat_map(|(_, ks)| ks.iter().copied().collect::<HashSet<u8>>())
+                .collect();
+            let distinct: HashSet<u8> = taken.iter().copied().collect();
+            prop_assert_eq!(distinct.len(), taken.len(), "no key in two items");
+            prop_assert!(taken.iter().all(|k| !busy.contains(k)), "no busy key");
+            prop_assert!(batch.windows(2).all(|w| w[0].0 < w[1].0), "arrival order");
+
+            let mut all: Vec<(usize, Vec<u8>)> = batch.iter().chain(queue.iter()).cloned().collect();
+            all.sort();
+            prop_assert_eq!(&all, &input);
+            prop_assert!(queue.iter().zip(queue.iter().skip(1)).all(|(a, b)| a.0 < b.0), "queue order kept");
+
+            let could_go = |ks: &[u8]| ks.iter().all(|k| !busy.contains(k));
+            let blocked = |ks: &[u8]| !could_go(ks) || ks.iter().any(|k| distinct.contains(k));
+            if batch.len() < max {
+                prop_assert!(queue.iter().all(|(_, ks)| blocked(ks)), "as full as it may be");
+            }
+            if let Some(first) = input.iter().find(|(_, ks)| could_go(ks)) {
+                prop_assert!(batch.iter().any(|(i, _)| *i == first.0), "the first that may go goes");
+            }
+            if let Some(last) = batch.iter().map(|(i, _)| *i).max() {
+                prop_assert!(queue.iter().all(|(i, ks)| *i > last || blocked(ks)), "none passed over");
+            }
+        }
+    }
+}
