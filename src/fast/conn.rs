@@ -271,6 +271,17 @@ impl FastTier {
         }
     }
 
+    /// The connections' own response timeout: only a backstop, longer than
+    /// either lane's, so that the lane of a call decides when it took too
+    /// long (`FastTier::try_once`). A call that outlives `redis.timeout` is
+    /// then slowness (one timeout, not evidence that Redis is unreachable),
+    /// and a background call has `redis.background_timeout`. Were it the
+    /// lanes' own, the client's timer would race the lane's, and a timeout
+    /// it won would count as a connection failure.
+    fn response_backstop(&self) -> Duration {
+        self.settings.timeout.max(self.settings.background_timeout) + Duration::from_secs(1)
+    }
+
     fn cluster_client(
         &self,
         nodes: &[String],
@@ -278,7 +289,7 @@ impl FastTier {
         let timeout = self.settings.timeout;
         let mut builder = redis::cluster::ClusterClientBuilder::new(nodes.to_vec())
             .use_protocol(ProtocolVersion::RESP3)
-            .response_timeout(timeout)
+            .response_timeout(self.response_backstop())
             .connection_timeout(timeout.max(Duration::from_millis(500)))
             .retries(0);
         if let Some(certs) = self.tls_certs() {
@@ -386,7 +397,7 @@ impl FastTier {
             RedisTopology::Standalone(url) => {
                 let client = self.standalone_client(url)?;
                 let config = ConnectionManagerConfig::new()
-                    .set_response_timeout(Some(timeout))
+                    .set_response_timeout(Some(self.response_backstop()))
                     .set_connection_timeout(Some(timeout.max(Duration::from_millis(500))))
                     .set_number_of_retries(1)
                     .set_max_delay(Duration::from_millis(500));

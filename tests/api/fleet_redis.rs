@@ -559,3 +559,50 @@ async fn a_result_recorded_while_the_fleet_has_redis_down_is_decided_in_postgres
         tokens.len()
     );
 }
+
+/// A Redis that answers, but later than `redis.timeout`, is slow for the
+/// instance, not down: each call that times out answers 503 (its outcome
+/// unknown), and only calls that could not reach Redis count toward
+/// `redis.down_after_failures`. Four timeouts in a row, well within
+/// `redis.down_after`, leave Redis up for the instance and the fleet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn calls_that_time_out_on_a_slow_link_are_slowness_not_redis_down() {
+    let redis = RedisProc::start();
+    let link = Link::to(redis.port).await;
+    let a = spawn_app_on(
+        Stores::fresh()
+            .redis(&format!("redis://127.0.0.1:{}", link.port()))
+            .with(FAST_TIMEOUT)
+            .with("redis.down_after = \"30s\""),
+    )
+    .await;
+    let tokens = issue_likes(&a, 6).await;
+    assert!(consumed(&consume_on(&a, &tokens[0]).await));
+
+    // Every chunk 400 ms late each way: each call times out at 250 ms.
+    link.slow(Duration::from_millis(400));
+    for t in &tokens[1..5] {
+        let x = consume_on(&a, t).await;
+        assert_eq!(
+            x.0,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{x:?}: {}",
+            readyz(&a).await
+        );
+    }
+    let ready = readyz(&a).await;
+    assert_ne!(
+        ready["redis"], "down",
+        "timeouts counted as Redis unreachable: {ready}"
+    );
+    assert_eq!(ready["fleet"]["state"], "normal", "{ready}");
+
+    // Fast again: the instance decides in Redis at once.
+    link.open();
+    let x = eventually(10, || async {
+        let x = consume_on(&a, &tokens[5]).await;
+        (x.0 == StatusCode::OK).then_some(x)
+    })
+    .await;
+    assert!(consumed(&x), "{x:?}");
+}
