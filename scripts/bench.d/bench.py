@@ -12,6 +12,10 @@ record per measurement, manage the token pools, and write the report.
   bench.py orders IN_PREFIX THREADS OUT_PREFIX CSV     -> adds an order id to each token line
   bench.py show RESULTS_JSONL N                         -> the last N records, one line each
   bench.py report RESULTS_JSONL MACHINE_JSON OUT_JSON OUT_MD -> prints the table
+
+A record's `cpu=PATH` (the JSON of `cpu.py run`) becomes its "cpu_us": µs of
+CPU per request of each group of processes, and the share of the cores left
+idle.
 """
 import glob
 import json
@@ -118,6 +122,25 @@ def parse_pgbench(name, path, logdir, extra):
         "errors": int(failed.group(1)) if failed else 0,
     }
     rec.update(extra)
+    return rec
+
+
+CPU_GROUPS = ("service", "reference", "postgres", "redis", "load", "other")
+
+
+def cpu_per_request(rec):
+    """Replaces rec["cpu"] (a cpu.py file) by µs of CPU per request."""
+    path = rec.pop("cpu", None)
+    n = rec.get("requests")
+    if not isinstance(path, str) or not os.path.exists(path) or not n:
+        return rec
+    c = json.load(open(path))
+    g = c["groups_s"]
+    us = {k: round(g.get(k, 0.0) * 1e6 / n, 1) for k in CPU_GROUPS if g.get(k, 0.0) > 0}
+    us["total"] = round(c["busy_s"] * 1e6 / n, 1)
+    cap = c["wall_s"] * c["cpus"]
+    rec["cpu_us"] = us
+    rec["cpu_idle_pct"] = round(100.0 * c["idle_s"] / cap, 1) if cap > 0 else None
     return rec
 
 
@@ -263,6 +286,23 @@ def report(results_path, machine_path, out_json, out_md):
             r["name"], r["tool"], fmt(r["rps"]), fmt(r["p50_ms"]), fmt(r["p99_ms"]),
             fmt(r.get("p999_ms")), r.get("errors", 0), r.get("note", "")))
     lines.append("")
+    with_cpu = [r for r in list(refs.values()) + scen if r.get("cpu_us")]
+    if with_cpu:
+        lines.append("CPU per request while each ran (µs; `server`: the service, or the reference's actix-web "
+                     "server; `load`: wrk, pgbench or redis-benchmark; `other`: kernel threads, interrupts, "
+                     "anything else; `total`: the machine's busy time; `idle`: the share of both cores left idle):")
+        lines.append("")
+        lines.append("| run | req/s | server | postgres | redis | load | other | total | idle |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in with_cpu:
+            u = r["cpu_us"]
+            server = u.get("service", 0.0) + u.get("reference", 0.0)
+            lines.append("| {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
+                r["name"], fmt(r["rps"]), fmt(server or None, 1), fmt(u.get("postgres"), 1),
+                fmt(u.get("redis"), 1), fmt(u.get("load"), 1), fmt(u.get("other"), 1),
+                fmt(u.get("total"), 1),
+                f"{r['cpu_idle_pct']:.0f} %" if r.get("cpu_idle_pct") is not None else "-"))
+        lines.append("")
     for k in ("memory", "bloom", "cross_checks"):
         if k in machine:
             lines.append(f"- {k}: {machine[k]}")
@@ -282,11 +322,11 @@ def main():
         sys.exit(__doc__)
     cmd = a[0]
     if cmd == "wrk":
-        print(json.dumps(parse_wrk(a[1], a[2], a[3], kv(a[4:]))))
+        print(json.dumps(cpu_per_request(parse_wrk(a[1], a[2], a[3], kv(a[4:])))))
     elif cmd == "redisbench":
-        print(json.dumps(parse_redisbench(a[1], a[2], kv(a[3:]))))
+        print(json.dumps(cpu_per_request(parse_redisbench(a[1], a[2], kv(a[3:])))))
     elif cmd == "pgbench":
-        print(json.dumps(parse_pgbench(a[1], a[2], a[3], kv(a[4:]))))
+        print(json.dumps(cpu_per_request(parse_pgbench(a[1], a[2], a[3], kv(a[4:])))))
     elif cmd == "metric":
         v = metric(a[1], a[2], [x.split("=", 1) for x in a[3:]])
         print(int(v) if v == math.floor(v) else v)
