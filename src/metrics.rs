@@ -163,7 +163,7 @@ impl Metrics {
         let fast_tier_total = IntCounterVec::new(
             Opts::new(
                 "ledger_fast_tier_total",
-                "Redis lookups on the consume path: hit (Redis knew the token), miss, error.",
+                "Redis lookups on the consume path: hit (Redis knew the token), miss, error (a Redis call a request waited on failed).",
             ),
             &["result"],
         )

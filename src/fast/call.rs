@@ -136,10 +136,7 @@ impl FastTier {
         let sent = self.send(lane, op, &f).await?;
         match &sent.out {
             Some(Err(e)) if e.is_connection_dropped() => {
-                self.metrics
-                    .fast_tier_total
-                    .with_label_values(&["error"])
-                    .inc();
+                self.count_error(lane);
                 tracing::debug!(error = %e, op, "redis connection dropped under the call: sent again");
                 let again = self.send(lane, op, &f).await?;
                 self.judge(again)
@@ -195,10 +192,7 @@ impl FastTier {
         let conn = match self.conn(lane).await {
             Ok(c) => c,
             Err(e) => {
-                self.metrics
-                    .fast_tier_total
-                    .with_label_values(&["error"])
-                    .inc();
+                self.count_error(lane);
                 return Err(e);
             }
         };
@@ -225,6 +219,18 @@ impl FastTier {
         })
     }
 
+    /// `ledger_fast_tier_total{result="error"}` counts the failed calls a
+    /// request waited on (the error share of the serving path's Redis
+    /// lookups); background work's failures are not part of it.
+    fn count_error(&self, lane: Lane) {
+        if lane == Lane::Serving {
+            self.metrics
+                .fast_tier_total
+                .with_label_values(&["error"])
+                .inc();
+        }
+    }
+
     /// What one try's outcome means for the breaker, the latency window and
     /// the caller.
     fn judge<T>(&self, sent: Sent<T>) -> Result<T, FastError> {
@@ -238,10 +244,7 @@ impl FastTier {
                 Ok(v)
             }
             Some(Err(e)) => {
-                self.metrics
-                    .fast_tier_total
-                    .with_label_values(&["error"])
-                    .inc();
+                self.count_error(sent.lane);
                 if never_ran(&e) {
                     if serving {
                         self.health.failed(Failure::Unreached);
@@ -264,10 +267,7 @@ impl FastTier {
                     self.health.record(self.settings.timeout);
                     self.health.failed(Failure::TimedOut);
                 }
-                self.metrics
-                    .fast_tier_total
-                    .with_label_values(&["error"])
-                    .inc();
+                self.count_error(sent.lane);
                 Err(FastError::Timeout)
             }
         }

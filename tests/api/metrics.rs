@@ -295,3 +295,73 @@ async fn journal_lag_counts_entries_waiting_in_the_stream() {
         .await
         .expect("del");
 }
+
+/// `ledger_fast_tier_total{result="error"}` is the error share of the Redis
+/// calls requests wait on: background work that fails (here the journal
+/// drain, its stream replaced by a string, so every read is `WRONGTYPE`)
+/// does not count, while a request's failed call does.
+#[tokio::test]
+async fn background_redis_failures_are_not_counted_as_the_serving_paths_errors() {
+    let app = spawn_app().await;
+    let errors = |text: &str| sample(text, "ledger_fast_tier_total", &[("result", "error")]);
+    let reads = |text: &str| {
+        sample(
+            text,
+            "ledger_tier_duration_seconds_count",
+            &[("tier", "redis"), ("op", "xreadgroup")],
+        )
+        .unwrap_or(0.0)
+    };
+    let mut redis = app.redis().await;
+    let journal = format!("{}journal", app.stores.prefix);
+    let () = redis::pipe()
+        .del(&journal)
+        .ignore()
+        .set(&journal, "not a stream")
+        .ignore()
+        .query_async(&mut redis)
+        .await
+        .expect("journal replaced");
+    let before = app.metrics_text().await;
+    // The drain tries again and again (every 500 ms after an error).
+    let after = eventually(10, || {
+        let (app, before) = (&app, &before);
+        async move {
+            let text = app.metrics_text().await;
+            (reads(&text) >= reads(before) + 3.0).then_some(text)
+        }
+    })
+    .await;
+    assert_eq!(
+        errors(&after),
+        errors(&before),
+        "background failures counted"
+    );
+
+    // A request's failed call is counted: a token whose key is not a hash.
+    let token = app.issue(PAYMENTS, "order", "u-err").await;
+    let key = format!("{}tok:{{{token}}}", app.stores.prefix);
+    let () = redis::cmd("SET")
+        .arg(&key)
+        .arg("x")
+        .query_async(&mut redis)
+        .await
+        .expect("key replaced");
+    let r = app
+        .consume(PAYMENTS, &token, &json!({"subject": "u-err"}))
+        .await;
+    let _ = r.status();
+    let text = app.metrics_text().await;
+    assert!(
+        errors(&text) > errors(&before),
+        "the consume's failed call counted: {:?} -> {:?}",
+        errors(&before),
+        errors(&text)
+    );
+    let () = redis::cmd("DEL")
+        .arg(&journal)
+        .query_async(&mut redis)
+        .await
+        .expect("journal key dropped");
+    app.stop().await;
+}
