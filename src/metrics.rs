@@ -66,9 +66,11 @@ pub struct Metrics {
     pub pg_order_queue: IntGauge,
     /// Cluster journal entries whose `XADD` failed, by where they went.
     pub journal_append_fallback: IntCounterVec,
-    /// Keys reconcile read per Redis pipeline (its count: the pipelines).
-    pub redis_pipeline_keys: Histogram,
-    /// Keys of a reconcile page read again alone, by why.
+    /// Keys per Redis pipeline (its count: the pipelines), by what sent it:
+    /// `reconcile` (a page's reads) or `writeback` (a batch's write-backs).
+    pub redis_pipeline_keys: HistogramVec,
+    /// Cluster: keys of such a pipeline sent again alone, by what sent it
+    /// and why.
     pub redis_key_rereads: IntCounterVec,
     pending: Mutex<HashMap<String, StatCounts>>,
 }
@@ -243,20 +245,21 @@ impl Metrics {
             &["to"],
         )
         .expect("valid metric");
-        let redis_pipeline_keys = Histogram::with_opts(
+        let redis_pipeline_keys = HistogramVec::new(
             HistogramOpts::new(
                 "ledger_redis_pipeline_keys",
-                "Keys reconcile read with one Redis pipeline (one per page on a standalone Redis, one per primary and page on a cluster); its _count is the pipelines sent.",
+                "Keys sent with one Redis pipeline, by op: reconcile (a page's reads) or writeback (a batch's consumed write-backs); one per page or batch on a standalone Redis, one per primary and page or batch on a cluster; its _count is the pipelines sent.",
             )
             .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0]),
+            &["op"],
         )
         .expect("valid metric");
         let redis_key_rereads = IntCounterVec::new(
             Opts::new(
                 "ledger_redis_key_rereads_total",
-                "Cluster: keys of a reconcile page read again alone (following redirects) instead of in their primary's pipeline, by reason: moved, ask, try_again (the pipeline met that reply in the key's slot), no_route (no known primary for the slot, or no connection to it).",
+                "Cluster: keys of a reconcile page read again alone, or write-backs of a batch sent again alone (op: reconcile, writeback), following redirects, instead of in their primary's pipeline, by reason: moved, ask, try_again (the pipeline met that reply in the key's slot), no_route (no known primary for the slot, or no connection to it).",
             ),
-            &["reason"],
+            &["op", "reason"],
         )
         .expect("valid metric");
         let build_info = IntGaugeVec::new(
@@ -320,8 +323,11 @@ impl Metrics {
         for to in ["postgres", "memory", "dropped"] {
             journal_append_fallback.with_label_values(&[to]);
         }
-        for r in ["moved", "ask", "try_again", "no_route"] {
-            redis_key_rereads.with_label_values(&[r]);
+        for op in ["reconcile", "writeback"] {
+            redis_pipeline_keys.with_label_values(&[op]);
+            for r in ["moved", "ask", "try_again", "no_route"] {
+                redis_key_rereads.with_label_values(&[op, r]);
+            }
         }
         Metrics {
             registry,

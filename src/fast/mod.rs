@@ -15,8 +15,9 @@
 //!   release of fast types;
 //! - `health`: the probe that closes the breaker, and the mode;
 //! - `journal`: the journal stream; `scan`: reading and repairing keys for
-//!   reconcile; `slots`: the cluster's slot map, by which reconcile reads a
-//!   page with one pipeline per primary.
+//!   reconcile; `slots`: the cluster's slot map; `route`: one pipeline per
+//!   primary by that map (redirects met inside one sent again alone), by
+//!   which reconcile reads a page and write-backs go out.
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
@@ -28,6 +29,7 @@ mod conn;
 mod consume;
 mod health;
 mod journal;
+mod route;
 mod scan;
 mod slots;
 mod write;
@@ -81,8 +83,8 @@ pub struct FastTier {
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
     cluster: bool,
-    /// Cluster only: the slot map reconcile groups a page's keys by, kept
-    /// until a reply proves it stale (see `slots`).
+    /// Cluster only: the slot map reconcile's reads and write-backs are
+    /// grouped by, kept until a reply proves it stale (see `slots`).
     slot_map: std::sync::RwLock<Option<Arc<slots::SlotMap>>>,
     /// Cluster only: journal entries of decisions already made whose
     /// separate `XADD` failed and that Postgres did not take either

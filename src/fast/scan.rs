@@ -1,23 +1,16 @@
 //! Reconciliation's view of the fast tier: key scans (every cluster
 //! primary), reads of a page of key states with their generations and
 //! their node's clock (one pipeline per page, on a cluster one per primary
-//! by the slot map in `slots`; keys a resharding redirected read again
-//! alone), and repairs that each touch one token's key and check the state
-//! they expect first (see `reconcile.lua`).
+//! by `route`; keys a resharding redirected read again alone), and repairs
+//! that each touch one token's key and check the state they expect first
+//! (see `reconcile.lua`).
 
-use futures_util::stream::{self, StreamExt};
 use redis::aio::ConnectionLike;
-use redis::cluster_routing::SingleNodeRoutingInfo;
 use redis::Value;
 
-use super::slots::{slot_of, Primary};
+use super::route::{At, Routed};
+use super::slots::Primary;
 use super::{Conn, FastError, FastTier, Marker};
-
-/// Pipelines sent for one page (the first, then again after redirects)
-/// before the keys still unread are read alone.
-const MAX_ROUNDS: usize = 3;
-/// Keys read alone at once.
-const ALONE_IN_FLIGHT: usize = 16;
 
 /// What reconciliation reads of one token's key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,64 +106,6 @@ fn millis((secs, micros): (i64, i64)) -> i64 {
     secs * 1000 + micros / 1000
 }
 
-/// Why a key of a page is read again alone.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Reread {
-    /// Its slot has another owner than the kept map said.
-    Moved,
-    /// Its slot is being migrated.
-    Ask,
-    /// Its pipeline met `TRYAGAIN` (a slot being migrated; the reply names
-    /// none, so every key of that pipeline is read alone).
-    TryAgain,
-    /// No primary known for its slot, or no connection to it.
-    NoRoute,
-}
-
-impl Reread {
-    fn as_str(self) -> &'static str {
-        match self {
-            Reread::Moved => "moved",
-            Reread::Ask => "ask",
-            Reread::TryAgain => "try_again",
-            Reread::NoRoute => "no_route",
-        }
-    }
-}
-
-/// What one pipeline of a page brought back.
-#[derive(Debug)]
-enum PipelineRead {
-    /// Every key's fields, after `TIME` on that node.
-    Read { now_ms: i64, rows: Vec<StateFields> },
-    /// The cluster client answers a pipeline that met a `MOVED` or `ASK`
-    /// with that first reply alone: the keys in `slot` were not read there,
-    /// and the others' replies are not handed out.
-    Redirected { slot: u16, reason: Reread },
-    /// As `Redirected`, for a `TRYAGAIN` (which names no slot).
-    TryAgain,
-    /// The cluster client holds no connection to that primary.
-    Unrouted,
-}
-
-impl PipelineRead {
-    /// What a pipeline's error means for its keys (`Err`: the error).
-    fn of_error(e: redis::RedisError) -> Result<PipelineRead, redis::RedisError> {
-        use redis::{ErrorKind, ServerErrorKind as S};
-        let reason = match e.kind() {
-            ErrorKind::Server(S::Moved) => Reread::Moved,
-            ErrorKind::Server(S::Ask) => Reread::Ask,
-            ErrorKind::Server(S::TryAgain) => return Ok(PipelineRead::TryAgain),
-            ErrorKind::ClusterConnectionNotFound => return Ok(PipelineRead::Unrouted),
-            _ => return Err(e),
-        };
-        match e.redirect_node() {
-            Some((_, slot)) => Ok(PipelineRead::Redirected { slot, reason }),
-            None => Err(e),
-        }
-    }
-}
-
 /// One node a key scan walks: the standalone server, or one cluster primary.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScanNode(Option<Primary>);
@@ -256,110 +191,34 @@ impl FastTier {
     /// the order of `tokens`.
     ///
     /// On a standalone Redis: one pipeline, `TIME` then one `HMGET` per key.
-    /// On a cluster: the keys grouped by the primary that serves their slot
-    /// (the kept slot map), one such pipeline per primary, sent to it by
-    /// address, all at once. The cluster client answers a pipeline that met
-    /// a `MOVED`, `ASK` or `TRYAGAIN` with that first reply alone (the slot
-    /// map changed, or a slot is being migrated): the keys of the slot it
-    /// names are then read alone, each following its redirects, and the
-    /// others go again in their primary's pipeline (by a fresh slot map after
-    /// a `MOVED`), at most [`MAX_ROUNDS`] times in all.
+    /// On a cluster: one such pipeline per primary, sent by
+    /// [`FastTier::route_by_primary`]; the keys of a slot a pipeline met a
+    /// redirect in are read alone (`key_state.lua`), each following its
+    /// redirects.
     pub async fn key_states(&self, tokens: &[String]) -> Result<Vec<KeyRead>, FastError> {
         let keys: Vec<String> = tokens.iter().map(|t| self.token_key(t)).collect();
-        let mut reads: Vec<Option<KeyRead>> = vec![None; keys.len()];
         if !self.cluster {
             let all: Vec<usize> = (0..keys.len()).collect();
-            let PipelineRead::Read { now_ms, rows } = self.read_pipeline(None, &keys, &all).await?
-            else {
+            let Routed::Answered(reads) = self.read_pipeline(None, &keys, &all).await? else {
                 return Err(FastError::Protocol(
                     "a standalone redis answered a cluster redirect".into(),
                 ));
             };
-            return Ok(rows
-                .into_iter()
-                .map(|row| KeyRead::of(row, now_ms))
-                .collect());
+            return Ok(reads);
         }
-        let mut pending: Vec<usize> = (0..keys.len()).collect();
-        let mut alone: Vec<(usize, Reread)> = Vec::new();
-        for _ in 0..MAX_ROUNDS {
-            if pending.is_empty() {
-                break;
-            }
-            let map = self.slot_map().await?;
-            let mut groups: Vec<Vec<usize>> = vec![Vec::new(); map.primaries().len()];
-            for i in pending.drain(..) {
-                match map.primary_of(keys[i].as_bytes()) {
-                    Some(at) => groups[at].push(i),
-                    None => alone.push((i, Reread::NoRoute)),
-                }
-            }
-            let (map, keys) = (&map, &keys);
-            let sent = groups
-                .iter()
-                .enumerate()
-                .filter(|(_, g)| !g.is_empty())
-                .map(|(at, group)| async move {
-                    let to = map.primaries().get(at);
-                    (group, self.read_pipeline(to, keys, group).await)
-                });
-            let mut failed = None;
-            for (group, outcome) in futures_util::future::join_all(sent).await {
-                match outcome {
-                    Ok(PipelineRead::Read { now_ms, rows }) => {
-                        for (&i, row) in group.iter().zip(rows) {
-                            reads[i] = Some(KeyRead::of(row, now_ms));
-                        }
-                    }
-                    Ok(PipelineRead::Redirected { slot, reason }) => {
-                        if reason == Reread::Moved {
-                            self.forget_slot_map();
-                        }
-                        for &i in group {
-                            if slot_of(keys[i].as_bytes()) == slot {
-                                alone.push((i, reason));
-                            } else {
-                                pending.push(i);
-                            }
-                        }
-                    }
-                    Ok(PipelineRead::TryAgain) => {
-                        alone.extend(group.iter().map(|&i| (i, Reread::TryAgain)));
-                    }
-                    Ok(PipelineRead::Unrouted) => {
-                        self.forget_slot_map();
-                        alone.extend(group.iter().map(|&i| (i, Reread::NoRoute)));
-                    }
-                    Err(e) => failed = failed.or(Some(e)),
-                }
-            }
-            if let Some(e) = failed {
-                // A node failed or timed out: perhaps a failover, after
-                // which the map names a dead primary.
-                self.forget_slot_map();
-                return Err(e);
-            }
-        }
-        alone.extend(pending.drain(..).map(|i| (i, Reread::NoRoute)));
         let keys = &keys;
-        let alone: Vec<(usize, Result<KeyRead, FastError>)> = stream::iter(alone)
-            .map(|(i, why)| {
-                self.metrics
-                    .redis_key_rereads
-                    .with_label_values(&[why.as_str()])
-                    .inc();
-                async move { (i, self.read_alone(&keys[i]).await) }
-            })
-            .buffer_unordered(ALONE_IN_FLIGHT)
-            .collect()
-            .await;
-        for (i, read) in alone {
-            reads[i] = Some(read?);
-        }
-        reads
-            .into_iter()
-            .map(|r| r.ok_or_else(|| FastError::Protocol("a key of the page went unread".into())))
-            .collect()
+        let reads = self
+            .route_by_primary(
+                "reconcile",
+                keys,
+                |to, group| async move {
+                    let read = self.read_pipeline(Some(&to), keys, &group).await?;
+                    Ok(read.map(Ok))
+                },
+                |i| self.read_alone(&keys[i]),
+            )
+            .await?;
+        reads.into_iter().collect()
     }
 
     /// One pipeline: `TIME`, then an `HMGET` of each of `keys[at]` for `at`
@@ -370,7 +229,7 @@ impl FastTier {
         to: Option<&Primary>,
         keys: &[String],
         of: &[usize],
-    ) -> Result<PipelineRead, FastError> {
+    ) -> Result<Routed<KeyRead>, FastError> {
         let mut p = redis::pipe();
         p.cmd("TIME");
         for &at in of {
@@ -379,21 +238,15 @@ impl FastTier {
             }
         }
         let (p, n) = (&p, p.len());
-        let sent = &self.metrics.redis_pipeline_keys;
+        let sent = &self
+            .metrics
+            .redis_pipeline_keys
+            .with_label_values(&["reconcile"]);
         self.call_background("key_states", |mut c| async move {
             sent.observe((n - 1) as f64);
-            let replies = match (&mut c, to) {
-                (Conn::Cluster(cc) | Conn::Redirected(cc, _), Some((host, port))) => {
-                    let to = SingleNodeRoutingInfo::ByAddress {
-                        host: host.clone(),
-                        port: *port,
-                    };
-                    match cc.route_pipeline(p.clone(), 0, n, to).await {
-                        Ok(replies) => replies,
-                        Err(e) => return PipelineRead::of_error(e),
-                    }
-                }
-                _ => c.req_packed_commands(p, 0, n).await?,
+            let replies = match (At { conn: &mut c, to }).req_packed_commands(p, 0, n).await {
+                Ok(replies) => replies,
+                Err(e) => return Routed::of_error(e),
             };
             let mut replies = replies.into_iter().map(|v| match v {
                 Value::ServerError(e) => Err(redis::RedisError::from(e)),
@@ -401,19 +254,20 @@ impl FastTier {
             });
             let time: (i64, i64) =
                 redis::from_redis_value(replies.next().unwrap_or(Ok(Value::Nil))?)?;
-            let rows = replies
-                .map(|v| redis::from_redis_value::<StateFields>(v?).map_err(Into::into))
+            let now_ms = millis(time);
+            let reads = replies
+                .map(|v| {
+                    let row = redis::from_redis_value::<StateFields>(v?)?;
+                    Ok(KeyRead::of(row, now_ms))
+                })
                 .collect::<Result<Vec<_>, redis::RedisError>>()?;
-            if rows.len() != n - 1 {
+            if reads.len() != n - 1 {
                 return Err(redis::RedisError::from((
                     redis::ErrorKind::Client,
                     "a pipeline answered fewer replies than it sent commands",
                 )));
             }
-            Ok(PipelineRead::Read {
-                now_ms: millis(time),
-                rows,
-            })
+            Ok(Routed::Answered(reads))
         })
         .await
     }
@@ -536,42 +390,7 @@ impl FastTier {
 
 #[cfg(test)]
 mod tests {
-    use redis::{ErrorKind, RedisError, ServerErrorKind};
-
     use super::*;
-
-    #[test]
-    fn a_pipelines_redirect_names_the_slot_read_again_alone() {
-        let reply = |kind: ServerErrorKind, detail: &str| {
-            RedisError::from((ErrorKind::Server(kind), "redirect", detail.to_owned()))
-        };
-        for (kind, reason) in [
-            (ServerErrorKind::Moved, Reread::Moved),
-            (ServerErrorKind::Ask, Reread::Ask),
-        ] {
-            match PipelineRead::of_error(reply(kind, "1244 127.0.0.1:7001")) {
-                Ok(PipelineRead::Redirected { slot, reason: r }) => {
-                    assert_eq!((slot, r), (1244, reason));
-                }
-                other => panic!("{kind:?}: {other:?}"),
-            }
-        }
-        assert!(matches!(
-            PipelineRead::of_error(reply(ServerErrorKind::TryAgain, "")),
-            Ok(PipelineRead::TryAgain)
-        ));
-        let unrouted = RedisError::from((ErrorKind::ClusterConnectionNotFound, "none"));
-        assert!(matches!(
-            PipelineRead::of_error(unrouted),
-            Ok(PipelineRead::Unrouted)
-        ));
-        for fatal in [
-            reply(ServerErrorKind::ClusterDown, ""),
-            RedisError::from((ErrorKind::Io, "io")),
-        ] {
-            assert!(PipelineRead::of_error(fatal).is_err());
-        }
-    }
 
     #[test]
     fn a_provisional_marker_is_stale_by_its_nodes_clock() {

@@ -1,7 +1,7 @@
-//! The cluster's slot map as reconcile uses it: which primary serves each of
-//! the 16384 slots (read with `CLUSTER SLOTS`, kept until a reply proves it
-//! stale) and the slot of a key (CRC16 of its hash tag), so that a page of
-//! keys is read with one pipeline per primary.
+//! The cluster's slot map: which primary serves each of the 16384 slots
+//! (read with `CLUSTER SLOTS`, kept until a reply proves it stale) and the
+//! slot of a key (CRC16 of its hash tag), so that a page of keys is read,
+//! or a batch of write-backs sent, with one pipeline per primary (`route`).
 
 use std::sync::Arc;
 
@@ -142,7 +142,7 @@ impl FastTier {
     }
 
     /// Drops the kept slot map (a reply proved it stale, or a node failed):
-    /// the next page reads it again.
+    /// the next page or batch reads it again.
     pub(super) fn forget_slot_map(&self) {
         *self.slot_map.write().unwrap_or_else(|p| p.into_inner()) = None;
     }

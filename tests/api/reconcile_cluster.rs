@@ -31,7 +31,7 @@ async fn run(stores: &Stores, fast: &Arc<FastTier>, dry_run: bool) -> Report {
     run_on(reconciler_on(stores, fast.clone()), dry_run).await
 }
 
-async fn cluster_conn(cluster: &Cluster) -> redis::cluster_async::ClusterConnection {
+pub(crate) async fn cluster_conn(cluster: &Cluster) -> redis::cluster_async::ClusterConnection {
     redis::cluster::ClusterClient::new(cluster.urls())
         .expect("cluster client")
         .get_async_connection()
@@ -40,7 +40,7 @@ async fn cluster_conn(cluster: &Cluster) -> redis::cluster_async::ClusterConnect
 }
 
 /// Redis's own `CLUSTER KEYSLOT` of `key`.
-async fn slot(cluster: &Cluster, key: &str) -> u16 {
+pub(crate) async fn slot(cluster: &Cluster, key: &str) -> u16 {
     let mut c = cluster.nodes[0].conn().await;
     redis::cmd("CLUSTER")
         .arg("KEYSLOT")
@@ -51,7 +51,7 @@ async fn slot(cluster: &Cluster, key: &str) -> u16 {
 }
 
 /// The port of the master serving `key`'s slot.
-async fn owner(cluster: &Cluster, masters: &[Master], key: &str) -> u16 {
+pub(crate) async fn owner(cluster: &Cluster, masters: &[Master], key: &str) -> u16 {
     let s = slot(cluster, key).await;
     masters
         .iter()
@@ -61,7 +61,7 @@ async fn owner(cluster: &Cluster, masters: &[Master], key: &str) -> u16 {
 }
 
 /// `calls` of one command in a node's `INFO commandstats` (0 if never called).
-fn calls(port: u16, command: &str) -> u64 {
+pub(crate) fn calls(port: u16, command: &str) -> u64 {
     let stats = redis_cli(port, &["info", "commandstats"]);
     let prefix = format!("cmdstat_{command}:calls=");
     stats
@@ -74,7 +74,7 @@ fn calls(port: u16, command: &str) -> u64 {
 
 /// The `s` field of `key` on the node at `port`, which is importing its
 /// slot (`ASKING` first: without it the node answers `MOVED`).
-async fn state_while_importing(port: u16, key: &str) -> Option<String> {
+pub(crate) async fn state_while_importing(port: u16, key: &str) -> Option<String> {
     let mut c = redis::Client::open(format!("redis://127.0.0.1:{port}"))
         .expect("node url")
         .get_multiplexed_async_connection()
@@ -94,7 +94,7 @@ async fn state_while_importing(port: u16, key: &str) -> Option<String> {
 
 /// `total_reads_processed` of a node's `INFO stats`: the reads from client
 /// sockets it made (its own `INFO` included).
-fn socket_reads(port: u16) -> u64 {
+pub(crate) fn socket_reads(port: u16) -> u64 {
     redis_cli(port, &["info", "stats"])
         .lines()
         .find_map(|l| l.trim().strip_prefix("total_reads_processed:"))
@@ -109,8 +109,21 @@ fn classes(of: &[(Class, u64)]) -> Classes {
 fn rereads(metrics: &Metrics) -> Vec<(&'static str, u64)> {
     ["moved", "ask", "try_again", "no_route"]
         .into_iter()
-        .map(|r| (r, metrics.redis_key_rereads.with_label_values(&[r]).get()))
+        .map(|r| (r, reread(metrics, r)))
         .collect()
+}
+
+/// Keys of reconcile pages read again alone, for `reason`.
+fn reread(metrics: &Metrics, reason: &str) -> u64 {
+    let op = ["reconcile", reason];
+    metrics.redis_key_rereads.with_label_values(&op).get()
+}
+
+/// Keys reconcile read per pipeline (`ledger_redis_pipeline_keys`).
+fn pipeline_keys(metrics: &Metrics) -> prometheus::Histogram {
+    metrics
+        .redis_pipeline_keys
+        .with_label_values(&["reconcile"])
 }
 
 /// The states a test writes, and what a read must find.
@@ -197,7 +210,7 @@ async fn a_page_of_500_keys_goes_as_one_pipeline_per_master() {
     // The first read also connects and reads the slot map; the second is
     // the steady state, with the map kept.
     check_reads(&fast.key_states(&tokens).await.expect("read"), "first");
-    let pipelines = metrics.redis_pipeline_keys.get_sample_count();
+    let pipelines = pipeline_keys(&metrics).get_sample_count();
     let before: Vec<(u64, u64, u64)> = masters
         .iter()
         .map(|m| {
@@ -229,11 +242,8 @@ async fn a_page_of_500_keys_goes_as_one_pipeline_per_master() {
         );
     }
     assert_eq!(pipelines, 3, "one pipeline per master");
-    assert_eq!(
-        metrics.redis_pipeline_keys.get_sample_count(),
-        pipelines + 3
-    );
-    assert_eq!(metrics.redis_pipeline_keys.get_sample_sum(), 1000.0);
+    assert_eq!(pipeline_keys(&metrics).get_sample_count(), pipelines + 3);
+    assert_eq!(pipeline_keys(&metrics).get_sample_sum(), 1000.0);
     assert!(
         rereads(&metrics).iter().all(|(_, n)| *n == 0),
         "{:?}",
@@ -252,8 +262,8 @@ async fn a_standalone_page_is_one_pipeline() {
         write_state(&mut r, &format!("{}tok:{{{t}}}", stores.prefix), i).await;
     }
     check_reads(&fast.key_states(&tokens).await.expect("read"), "standalone");
-    assert_eq!(metrics.redis_pipeline_keys.get_sample_count(), 1);
-    assert_eq!(metrics.redis_pipeline_keys.get_sample_sum(), 500.0);
+    assert_eq!(pipeline_keys(&metrics).get_sample_count(), 1);
+    assert_eq!(pipeline_keys(&metrics).get_sample_sum(), 500.0);
 }
 
 /// Every divergence reconcile repairs on a standalone Redis, 40 tokens of
@@ -381,7 +391,7 @@ async fn on_a_cluster_pages_of_hundreds_of_keys_are_repaired_on_every_master() {
     assert_eq!(again.found, Classes::default(), "{again:#?}");
     // Every key of the three runs read in a pipeline, none alone.
     let read = dry.scanned.tokens + real.scanned.tokens + again.scanned.tokens;
-    assert_eq!(metrics.redis_pipeline_keys.get_sample_sum(), read as f64);
+    assert_eq!(pipeline_keys(&metrics).get_sample_sum(), read as f64);
     assert!(
         rereads(&metrics).iter().all(|(_, n)| *n == 0),
         "{:?}",
@@ -519,7 +529,7 @@ async fn reconcile_during_a_slot_migration_repairs_every_key() {
         Some("i"),
         "repaired on the node it migrated to"
     );
-    let ask = metrics.redis_key_rereads.with_label_values(&["ask"]).get();
+    let ask = reread(&metrics, "ask");
     assert!(ask >= 1, "{:?}", rereads(&metrics));
     let again = run(&stores, &fast, false).await;
     assert_eq!(again.found, Classes::default(), "{again:#?}");
