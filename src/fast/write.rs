@@ -1,11 +1,14 @@
 //! Writes to a token's key outside the consume script: the seed of an
 //! issued token, write-backs of what Postgres decided (versioned by
-//! generation; many at once in one pipeline), forgetting a key, and result
-//! or release of fast types.
+//! generation; many at once in one pipeline, on a cluster one per primary),
+//! forgetting a key, and result or release of fast types.
 
-use redis::{ErrorKind, RedisResult, ServerErrorKind};
+use redis::aio::ConnectionLike;
+use redis::{ServerErrorKind, Value};
 
 use super::call::{evalsha, run_script, Lane};
+use super::route::{At, Routed};
+use super::slots::Primary;
 use super::{FastError, FastTier, Marker};
 
 /// One token's consumed state, as Postgres decided it at generation `gen`,
@@ -26,6 +29,14 @@ pub enum FastWrite {
     Released,
     NotReleasable,
     Miss,
+}
+
+/// The error of a pipeline whose replies do not match its commands.
+fn fewer_replies() -> redis::RedisError {
+    redis::RedisError::from((
+        redis::ErrorKind::Client,
+        "a pipeline answered fewer replies than it sent commands",
+    ))
 }
 
 impl FastTier {
@@ -88,65 +99,136 @@ impl FastTier {
     }
 
     /// [`FastTier::write_consumed`] for many tokens, with a result per item
-    /// in order (`Ok(true)`: written). On a standalone Redis the write-backs
-    /// go out as one pipeline (one write and one round trip on one
-    /// connection, background lane); a script error of one item (a key of
-    /// another type, say) is that item's. The outer `Err`: the pipeline got
-    /// no reply (its connection failed or it timed out), and any item may
-    /// or may not have been written; each is versioned, so the caller may
-    /// send it again or leave it to reconcile. On a cluster, where a
-    /// pipeline may not cross slots, each is sent on its own, concurrently.
+    /// in order (`Ok(true)`: written). The write-backs go out as one
+    /// pipeline (background lane): on a standalone Redis one for them all,
+    /// one write and one round trip on one connection; on a cluster one per
+    /// primary serving their slots, each to its primary by address, all at
+    /// once (see [`FastTier::route_by_primary`]). A script error of one item
+    /// (a key of another type, say) is that item's. A node that lost the
+    /// script (`NOSCRIPT`: a restart, a failover, `SCRIPT FLUSH`) has it
+    /// loaded and the items it refused sent again (they did not run). On a
+    /// cluster, the items of a slot a pipeline met a `MOVED`, `ASK` or
+    /// `TRYAGAIN` in (a resharding) are sent alone, each following its
+    /// redirects, and that pipeline's others again: each is versioned, so
+    /// one that ran the first time writes nothing the second (and answers
+    /// `Ok(false)`). The outer `Err`: a pipeline got no reply (its
+    /// connection failed or it timed out), and any item may or may not have
+    /// been written; the caller may send them again or leave them to
+    /// reconcile.
     pub async fn write_consumed_many(
         &self,
         items: &[ConsumedWrite],
     ) -> Result<Vec<Result<bool, FastError>>, FastError> {
-        if self.cluster || items.len() == 1 {
-            let each = items
-                .iter()
-                .map(|w| self.write_consumed(&w.token, w.gen, &w.marker));
-            return Ok(futures_util::future::join_all(each).await);
+        match items {
+            [] => return Ok(Vec::new()),
+            [w] => return Ok(vec![self.write_consumed(&w.token, w.gen, &w.marker).await]),
+            _ => {}
         }
+        if !self.cluster {
+            let all: Vec<usize> = (0..items.len()).collect();
+            let Routed::Answered(out) = self.write_pipeline(None, items, &all).await? else {
+                return Err(FastError::Protocol(
+                    "a standalone redis answered a cluster redirect".into(),
+                ));
+            };
+            return Ok(out);
+        }
+        let keys: Vec<String> = items.iter().map(|w| self.token_key(&w.token)).collect();
+        self.route_by_primary(
+            "writeback",
+            &keys,
+            |to, group| async move { self.write_pipeline(Some(&to), items, &group).await },
+            |i| async move {
+                let w = &items[i];
+                self.write_consumed(&w.token, w.gen, &w.marker).await
+            },
+        )
+        .await
+    }
+
+    /// One pipeline of write-backs, the items `items[at]` for `at` in `of`:
+    /// to the primary `to` by address on a cluster, else on the standalone
+    /// connection. Versioned, so safe to send again (see `connect`).
+    async fn write_pipeline(
+        &self,
+        to: Option<&Primary>,
+        items: &[ConsumedWrite],
+        of: &[usize],
+    ) -> Result<Routed<Result<bool, FastError>>, FastError> {
         let life = self.consumed_ttl_ms();
         let script = &self.scripts.writeback;
+        let writes: Vec<&ConsumedWrite> = of.iter().filter_map(|&at| items.get(at)).collect();
         let mut p = redis::pipe();
-        p.ignore_errors();
-        for w in items {
-            let m = &w.marker;
-            // The arguments of `writeback` (see `writeback.lua`).
-            let mut cmd = evalsha(script, 1);
-            cmd.arg(self.token_key(&w.token))
-                .arg("consumed")
-                .arg(w.gen)
-                .arg(life)
-                .arg(m.at_ms)
-                .arg(m.request_id.as_deref().unwrap_or(""))
-                .arg(m.fingerprint.as_deref().unwrap_or(""))
-                .arg(m.result.as_deref().unwrap_or(""))
-                .arg("")
-                .arg("0");
-            p.add_command(cmd);
+        for w in &writes {
+            p.add_command(self.consumed_cmd(w, life));
         }
-        let p = &p;
-        let replies: Vec<RedisResult<i64>> = self
+        let (p, writes) = (&p, &writes);
+        let sent = &self
+            .metrics
+            .redis_pipeline_keys
+            .with_label_values(&["writeback"]);
+        let replies = self
             .call_idempotent(Lane::Background, "writeback_pipeline", |mut c| async move {
-                let replies: Vec<RedisResult<i64>> = p.query_async(&mut c).await?;
-                let no_script = |r: &RedisResult<i64>| {
-                    matches!(r, Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript))
+                let mut at = At { conn: &mut c, to };
+                sent.observe(p.len() as f64);
+                let mut replies = match at.req_packed_commands(p, 0, p.len()).await {
+                    Ok(replies) if replies.len() == p.len() => replies,
+                    Ok(_) => return Err(fewer_replies()),
+                    Err(e) => return Routed::of_error(e),
                 };
-                if !replies.iter().any(no_script) {
-                    return Ok(replies);
+                let no_script = |v: &Value| {
+                    matches!(v, Value::ServerError(e) if e.kind() == Some(ServerErrorKind::NoScript))
+                };
+                let refused: Vec<usize> = (0..replies.len())
+                    .filter(|&k| no_script(&replies[k]))
+                    .collect();
+                if refused.is_empty() {
+                    return Ok(Routed::Answered(replies));
                 }
-                // Redis lost its scripts (a restart, SCRIPT FLUSH): load it
-                // and send them all again. Versioned, so the items that ran
-                // the first time write nothing the second.
-                script.load_async(&mut c).await?;
-                p.query_async(&mut c).await
+                // The node lost its scripts: load it there and send the
+                // items it refused again (they did not run).
+                script.load_async(&mut at).await?;
+                let mut again = redis::pipe();
+                for w in refused.iter().filter_map(|&k| writes.get(k)) {
+                    again.add_command(self.consumed_cmd(w, life));
+                }
+                sent.observe(again.len() as f64);
+                let second = match at.req_packed_commands(&again, 0, again.len()).await {
+                    Ok(second) if second.len() == refused.len() => second,
+                    Ok(_) => return Err(fewer_replies()),
+                    Err(e) => return Routed::of_error(e),
+                };
+                for (k, v) in refused.into_iter().zip(second) {
+                    if let Some(slot) = replies.get_mut(k) {
+                        *slot = v;
+                    }
+                }
+                Ok(Routed::Answered(replies))
             })
             .await?;
-        Ok(replies
-            .into_iter()
-            .map(|r| r.map(|n| n == 1).map_err(FastError::from))
-            .collect())
+        Ok(replies.map(|v| match v {
+            Value::ServerError(e) => Err(FastError::Redis(e.into())),
+            v => redis::from_redis_value::<i64>(v)
+                .map(|n| n == 1)
+                .map_err(|e| FastError::Redis(e.into())),
+        }))
+    }
+
+    /// The `writeback` command of one consumed state (see `writeback.lua`).
+    fn consumed_cmd(&self, w: &ConsumedWrite, life: i64) -> redis::Cmd {
+        let m = &w.marker;
+        let mut cmd = evalsha(&self.scripts.writeback, 1);
+        cmd.arg(self.token_key(&w.token))
+            .arg("consumed")
+            .arg(w.gen)
+            .arg(life)
+            .arg(m.at_ms)
+            .arg(m.request_id.as_deref().unwrap_or(""))
+            .arg(m.fingerprint.as_deref().unwrap_or(""))
+            .arg(m.result.as_deref().unwrap_or(""))
+            .arg("")
+            .arg("0");
+        cmd
     }
 
     /// Writes Postgres's issued state at generation `gen` back, with

@@ -33,3 +33,4 @@ mod tls;
 mod token_state;
 mod versions;
 mod writeback;
+mod writeback_cluster;
