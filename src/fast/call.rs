@@ -1,7 +1,8 @@
 //! One Redis call: a connection (or `Down` while the breaker is open), the
 //! command under its lane's timeout, and what its outcome means for the
 //! breaker, the latency window and the metrics. Serving calls (a request
-//! waits on them) feed this instance's health; background calls (the
+//! waits on them) and health checks (the breaker's probe, an idle
+//! instance's PING) feed this instance's health; background calls (the
 //! journal, reconcile, write-backs off the answer's path) have their own
 //! timeout, `redis.background_timeout`, and never move the breaker.
 
@@ -16,8 +17,19 @@ use crate::health::Failure;
 pub(super) enum Lane {
     /// A request: `redis.timeout`, and the outcome is evidence of health.
     Serving,
+    /// The breaker's probe and an idle instance's check: as [`Lane::Serving`]
+    /// (`redis.timeout`, evidence of health), but no request waits on it, so
+    /// it is not one of the serving path's lookups (`ledger_fast_tier_total`).
+    Health,
     /// Background work: `redis.background_timeout`, no evidence.
     Background,
+}
+
+impl Lane {
+    /// Whether the outcome is evidence of this instance's view of Redis.
+    pub(super) fn is_evidence(self) -> bool {
+        self != Lane::Background
+    }
 }
 
 /// `EVALSHA` of `script` naming `keys` keys, to which the caller adds the
@@ -98,6 +110,21 @@ impl FastTier {
         Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
     {
         let sent = self.send(Lane::Serving, op, &f).await?;
+        self.judge(sent)
+    }
+
+    /// [`FastTier::call`] on the [`Lane::Health`] lane: a PING that tells the
+    /// breaker and the latency window how Redis answers.
+    pub(super) async fn call_health<T, F, Fut>(
+        &self,
+        op: &'static str,
+        f: F,
+    ) -> Result<T, FastError>
+    where
+        F: Fn(Conn) -> Fut,
+        Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
+    {
+        let sent = self.send(Lane::Health, op, &f).await?;
         self.judge(sent)
     }
 
@@ -201,7 +228,7 @@ impl FastTier {
             None => conn,
         };
         let timeout = match lane {
-            Lane::Serving => self.settings.timeout,
+            Lane::Serving | Lane::Health => self.settings.timeout,
             Lane::Background => self.settings.background_timeout,
         };
         let start = Instant::now();
@@ -234,7 +261,7 @@ impl FastTier {
     /// What one try's outcome means for the breaker, the latency window and
     /// the caller.
     fn judge<T>(&self, sent: Sent<T>) -> Result<T, FastError> {
-        let serving = sent.lane == Lane::Serving;
+        let serving = sent.lane.is_evidence();
         match sent.out {
             Some(Ok(v)) => {
                 if serving {

@@ -452,13 +452,13 @@ impl FastTier {
             // No connection: nothing was sent.
             Ok(Err(e)) => {
                 tracing::debug!(error = %e, "cannot connect to redis");
-                if lane == Lane::Serving {
+                if lane.is_evidence() {
                     self.health.failed(Failure::Unreached);
                 }
                 Err(FastError::Down)
             }
             Err(_) => {
-                if lane == Lane::Serving {
+                if lane.is_evidence() {
                     self.health.failed(Failure::Unreached);
                 }
                 Err(FastError::Down)

@@ -31,7 +31,7 @@ impl FastTier {
     pub async fn probe(&self) -> bool {
         self.health.half_open();
         let ok = self
-            .call("ping", |mut c| async move {
+            .call_health("ping", |mut c| async move {
                 redis::cmd("PING")
                     .query_async::<String>(&mut c)
                     .await
@@ -49,7 +49,7 @@ impl FastTier {
     /// without traffic learns of a dead or stalled Redis too (the fleet's
     /// report waits for its view).
     pub async fn check(&self) -> bool {
-        self.call("ping", |mut c| async move {
+        self.call_health("ping", |mut c| async move {
             redis::cmd("PING")
                 .query_async::<String>(&mut c)
                 .await

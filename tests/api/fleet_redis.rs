@@ -606,3 +606,52 @@ async fn calls_that_time_out_on_a_slow_link_are_slowness_not_redis_down() {
     .await;
     assert!(consumed(&x), "{x:?}");
 }
+
+/// An idle instance's health PINGs are evidence for its view of Redis but
+/// not lookups of the serving path: when they time out (a slow link, no
+/// request served), `ledger_fast_tier_total{result="error"}` stays put,
+/// and the instance still learns that Redis is down (after
+/// `redis.down_after` of failures).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_idle_instances_failed_health_pings_are_evidence_but_not_serving_errors() {
+    let redis = RedisProc::start();
+    let link = Link::to(redis.port).await;
+    let a = spawn_app_on(
+        Stores::fresh()
+            .redis(&format!("redis://127.0.0.1:{}", link.port()))
+            .with(FAST_TIMEOUT)
+            .with("redis.down_after = \"1s\""),
+    )
+    .await;
+    assert_eq!(wait_fleet(&a, 10, "normal").await["redis"], "up");
+    use crate::metrics::sample;
+    let errors = |text: &str| sample(text, "ledger_fast_tier_total", &[("result", "error")]);
+    let pings = |text: &str| {
+        sample(
+            text,
+            "ledger_tier_duration_seconds_count",
+            &[("tier", "redis"), ("op", "ping")],
+        )
+        .unwrap_or(0.0)
+    };
+    let before = a.metrics_text().await;
+
+    link.slow(Duration::from_millis(400));
+    let down = eventually(10, || async {
+        let body = readyz(&a).await;
+        (body["redis"] == "down").then_some(body)
+    })
+    .await;
+    assert_eq!(down["mode"], "redis_down", "{down}");
+    let after = a.metrics_text().await;
+    assert!(
+        pings(&after) >= pings(&before) + 2.0,
+        "the instance PINGed (else this test proves nothing)"
+    );
+    assert_eq!(
+        errors(&after),
+        errors(&before),
+        "health PINGs counted as the serving path's errors"
+    );
+    link.open();
+}
