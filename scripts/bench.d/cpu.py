@@ -6,7 +6,9 @@
       process's stdin, stdout and stderr, exits with its status, and writes
       to OUT_JSON the CPU seconds each group of processes used while it ran:
 
-        service    the service (comm "idempotency-led...")
+        service    the service (the pid in $BENCH_SERVICE_PID, or comm
+                   "idempotency-led..."; a copy of the binary under another
+                   name is found by its pid)
         reference  the actix-web reference servers (comm "hello", "redis_consume")
         postgres   every postgres process, with the backends that ended
                    during the run (reaped by the postmaster: its cutime)
@@ -38,8 +40,11 @@ GROUPS = {
 }
 
 
-def group_of(comm):
-    if comm.startswith("idempotency-le"):
+SERVICE_PID = os.environ.get("BENCH_SERVICE_PID", "")
+
+
+def group_of(pid, comm):
+    if pid == SERVICE_PID or comm.startswith("idempotency-le"):
         return "service"
     return GROUPS.get(comm)
 
@@ -57,7 +62,7 @@ def procs():
             continue
         # comm is in parentheses and may hold spaces: split after the last ')'.
         comm = raw[raw.index("(") + 1:raw.rindex(")")]
-        g = group_of(comm)
+        g = group_of(pid, comm)
         if g is None:
             continue
         fields = raw[raw.rindex(")") + 2:].split()
