@@ -129,16 +129,20 @@ CPU_GROUPS = ("service", "reference", "postgres", "redis", "load", "other")
 
 
 def cpu_per_request(rec):
-    """Replaces rec["cpu"] (a cpu.py file) by µs of CPU per request."""
+    """Replaces rec["cpu"] (a cpu.py file) by µs of CPU per request: each
+    group's CPU over the measured window, divided by the requests the
+    run's rate gives for that window."""
     path = rec.pop("cpu", None)
-    n = rec.get("requests")
-    if not isinstance(path, str) or not os.path.exists(path) or not n:
+    if not isinstance(path, str) or not os.path.exists(path):
         return rec
     c = json.load(open(path))
+    n = rec.get("rps", 0) * c["span_s"]
+    if n <= 0:
+        return rec
     g = c["groups_s"]
     us = {k: round(g.get(k, 0.0) * 1e6 / n, 1) for k in CPU_GROUPS if g.get(k, 0.0) > 0}
     us["total"] = round(c["busy_s"] * 1e6 / n, 1)
-    cap = c["wall_s"] * c["cpus"]
+    cap = c["span_s"] * c["cpus"]
     rec["cpu_us"] = us
     rec["cpu_idle_pct"] = round(100.0 * c["idle_s"] / cap, 1) if cap > 0 else None
     return rec

@@ -1,45 +1,53 @@
 #!/usr/bin/env python3
 """CPU time of every process of a measurement, for scripts/bench.
 
-  cpu.py run OUT_JSON -- CMD [ARGS...]
+  cpu.py run OUT_JSON [--window SECONDS] -- CMD [ARGS...]
       runs CMD (the load generator: wrk, pgbench, redis-benchmark) with this
       process's stdin, stdout and stderr, exits with its status, and writes
-      to OUT_JSON the CPU seconds each group of processes used while it ran:
+      to OUT_JSON the CPU seconds each group of processes used:
 
         service    the service (the pid in $BENCH_SERVICE_PID, or comm
                    "idempotency-led..."; a copy of the binary under another
                    name is found by its pid)
         reference  the actix-web reference servers (comm "hello", "redis_consume")
         postgres   every postgres process, with the backends that ended
-                   during the run (reaped by the postmaster: its cutime)
+                   (reaped by the postmaster: its cutime)
         redis      redis-server
-        load       CMD and everything it waited for (its rusage)
+        load       wrk, pgbench, redis-benchmark
         other      the machine's busy time not in a group above: kernel
                    threads (ksoftirqd, kworkers), interrupts, other processes
 
       and the machine's idle time (idle + iowait of /proc/stat), so that a
       run that left the cores idle (bound by latency, not CPU) shows it.
 
+      Every process is read every 0.25 s while CMD runs. The measured window
+      ends at the last reading before CMD exits; with --window it starts
+      SECONDS before that (wrk measures its last -d seconds: the seconds
+      before, in which its threads load their token files, are left out),
+      else at the start. OUT_JSON holds the window's length and the group
+      totals over it.
+
 Times come from /proc/<pid>/stat (utime + stime, and cutime + cstime for
-postgres) and /proc/stat, in clock ticks (usually 10 ms); over a 10 s run of
-two cores that is 0.05 % per tick.
+postgres) and /proc/stat, in clock ticks (usually 10 ms).
 """
 import json
 import os
-import resource
 import subprocess
 import sys
+import threading
 import time
 
 TICK = os.sysconf("SC_CLK_TCK")
+EVERY = 0.25
 GROUPS = {
     "postgres": "postgres",
     "redis-server": "redis",
     "hello": "reference",
     "redis_consume": "reference",
+    "wrk": "load",
+    "pgbench": "load",
+    "redis-benchmark": "load",
 }
-
-
 SERVICE_PID = os.environ.get("BENCH_SERVICE_PID", "")
 
 
@@ -49,9 +57,9 @@ def group_of(pid, comm):
     return GROUPS.get(comm)
 
 
-def procs():
-    """Seconds of CPU per group, summed over the live processes."""
-    out = {}
+def reading():
+    """(monotonic time, seconds of CPU per group, machine busy s, machine idle s)."""
+    groups = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -71,41 +79,61 @@ def procs():
         ticks = utime + stime
         if g == "postgres":
             ticks += cutime + cstime
-        out[g] = out.get(g, 0) + ticks / TICK
-    return out
-
-
-def machine():
-    """(busy, idle) seconds of all CPUs, from /proc/stat."""
+        groups[g] = groups.get(g, 0) + ticks / TICK
     with open("/proc/stat") as f:
-        parts = f.readline().split()[1:]
-    v = [int(x) for x in parts]
+        v = [int(x) for x in f.readline().split()[1:]]
     # user nice system idle iowait irq softirq steal guest guest_nice
     idle = v[3] + v[4]
     busy = sum(v[:8]) - idle
-    return busy / TICK, idle / TICK
+    return time.monotonic(), groups, busy / TICK, idle / TICK
 
 
-def run(out_path, cmd):
-    p0, (b0, i0), t0 = procs(), machine(), time.monotonic()
-    rc = subprocess.call(cmd)
-    p1, (b1, i1), t1 = procs(), machine(), time.monotonic()
-    load = resource.getrusage(resource.RUSAGE_CHILDREN)
-    groups = {g: max(0.0, p1.get(g, 0) - p0.get(g, 0)) for g in set(p0) | set(p1)}
-    groups["load"] = load.ru_utime + load.ru_stime
-    busy = b1 - b0
+def run(out_path, window, cmd):
+    readings = [reading()]
+    child = subprocess.Popen(cmd)
+    stop = threading.Event()
+
+    def sample():
+        while not stop.wait(EVERY):
+            if child.poll() is not None:
+                return
+            readings.append(reading())
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    rc = child.wait()
+    stop.set()
+    t.join()
+    end = readings[-1]
+    start = readings[0]
+    if window:
+        for r in readings:
+            if r[0] >= end[0] - window:
+                start = r
+                break
+    span = end[0] - start[0]
+    groups = {g: max(0.0, end[1].get(g, 0) - start[1].get(g, 0)) for g in set(start[1]) | set(end[1])}
+    busy = end[2] - start[2]
     groups["other"] = max(0.0, busy - sum(groups.values()))
     with open(out_path, "w") as f:
-        json.dump({"wall_s": round(t1 - t0, 3), "cpus": os.cpu_count(), "busy_s": round(busy, 3),
-                   "idle_s": round(i1 - i0, 3), "groups_s": {k: round(v, 3) for k, v in groups.items()}}, f)
+        json.dump({"span_s": round(span, 3), "window_s": window, "cpus": os.cpu_count(),
+                   "busy_s": round(busy, 3), "idle_s": round(end[3] - start[3], 3),
+                   "groups_s": {k: round(v, 3) for k, v in groups.items()}}, f)
     return rc
 
 
 def main():
     a = sys.argv[1:]
-    if len(a) < 4 or a[0] != "run" or a[2] != "--":
+    if len(a) < 4 or a[0] != "run":
         sys.exit(__doc__)
-    sys.exit(run(a[1], a[3:]))
+    out, rest = a[1], a[2:]
+    window = None
+    if rest[0] == "--window":
+        window = float(rest[1])
+        rest = rest[2:]
+    if not rest or rest[0] != "--" or len(rest) < 2:
+        sys.exit(__doc__)
+    sys.exit(run(out, window, rest[1:]))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 //! Group commit of durable consumes: [`ConsumeBatcher`] sends a consume at
-//! once while fewer than `postgres.consume_batches_in_flight` consume
-//! statements run, and the ones that arrive meanwhile form the next batch,
-//! decided by one statement over arrays ([`consume_batch`]) with an answer
-//! per item. The queue is [`super::group`]'s, keyed by token id: one
-//! consume per token in flight, no wait when idle, bounded.
+//! once while no consume statement runs, and the ones that arrive meanwhile
+//! form the next batch, decided by one statement over arrays
+//! ([`consume_batch`]) with an answer per item. The queue is
+//! [`super::group`]'s, keyed by token id: one consume per token in flight,
+//! no wait when idle, up to `postgres.consume_batches_in_flight` statements
+//! at once (each beside a running one with a quarter-full batch), bounded.
 //!
 //! What holds, and why:
-//! - **No wait when idle.** A consume that finds a free slot runs the single
-//!   statement of [`tokens::consume_versioned`] on its own task, as without
-//!   the batcher.
+//! - **No wait when idle.** A consume that finds no statement running runs
+//!   the single statement of [`tokens::consume_versioned`] on its own task,
+//!   as without the batcher.
 //! - **Exactly once** is still the primary key's: a batch is the same upsert
 //!   and audit row per item as the single statement, in one implicit
 //!   transaction.
@@ -68,6 +69,8 @@ impl ConsumeBatcher {
     pub fn new(pools: Pools, metrics: Arc<Metrics>, settings: &PostgresSettings) -> ConsumeBatcher {
         let limits = Limits {
             size: settings.consume_batch_size,
+            // A further batch beside a running one: a quarter full at least.
+            fill: settings.consume_batch_size.div_ceil(4),
             slots: settings
                 .consume_batches_in_flight
                 .clamp(1, settings.pool_size.max(1) as usize),

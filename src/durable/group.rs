@@ -5,11 +5,15 @@
 //! decided by the [`Work`] with an answer per item.
 //!
 //! What it guarantees, whatever the work:
-//! - **No wait when idle.** An item that finds a free slot and none of its
-//!   keys busy runs at once on its caller's task ([`Turn::Now`]); only
-//!   items that find every slot busy, or a key of theirs in a running
-//!   batch, wait, and they wait for a batch that is already running, not
-//!   for a timer.
+//! - **No wait when idle.** An item that finds no batch running and none of
+//!   its keys busy runs at once on its caller's task ([`Turn::Now`]); the
+//!   others wait for a batch that is already running, not for a timer.
+//! - **Fill before fanning out.** While a batch runs, a further one starts
+//!   (in a free slot) only with at least `fill` items; smaller ones wait for
+//!   a running batch to end. Fewer, fuller batches cost Postgres less per
+//!   item (one bind, plan and commit for more rows), and a slow batch (a
+//!   row lock, a stall) still leaves the other slots to a queue that grows
+//!   past `fill`. When no batch runs, whatever may go goes.
 //! - **Keys serialise.** No two items with a key in common are in one
 //!   batch, or in two batches that run at once: a later item of a key waits
 //!   for the next batch after the running one, and sees its outcome.
@@ -76,6 +80,9 @@ pub struct Limits {
     pub size: usize,
     /// The most batches running at once (at least 1).
     pub slots: usize,
+    /// The fewest items of a batch that starts while another runs (at
+    /// least 1, at most `size`).
+    pub fill: usize,
     /// How long an item may wait for its batch.
     pub queue_bound: Duration,
 }
@@ -124,8 +131,9 @@ struct State<W: Work> {
     running: usize,
     /// Keys in a running batch.
     busy: HashSet<W::Key>,
-    /// In arrival order. Either `running == slots`, or every item here
-    /// waits for a busy key: [`Shared::dispatch`] keeps it so.
+    /// In arrival order. Either `running == slots`, or fewer than `fill`
+    /// of the items here could go together (every one of them, when no
+    /// batch runs, waits for a busy key): [`Shared::dispatch`] keeps it so.
     queue: VecDeque<Waiting<W>>,
 }
 
@@ -137,9 +145,11 @@ struct Waiting<W: Work> {
 
 impl<W: Work> GroupCommit<W> {
     pub fn new(work: W, limits: Limits, queued: IntGauge, sizes: Histogram) -> GroupCommit<W> {
+        let size = limits.size.max(1);
         let limits = Limits {
-            size: limits.size.max(1),
+            size,
             slots: limits.slots.max(1),
+            fill: limits.fill.clamp(1, size),
             ..limits
         };
         GroupCommit {
@@ -166,9 +176,8 @@ impl<W: Work> GroupCommit<W> {
     pub fn enter(&self, keys: W::Keys, item: impl FnOnce() -> W::Item) -> Turn<W> {
         let shared = &self.shared;
         let mut s = shared.lock();
-        let free =
-            s.running < shared.limits.slots && !keys.as_ref().iter().any(|k| s.busy.contains(k));
-        if free {
+        let alone = s.running == 0 || (shared.limits.fill == 1 && s.running < shared.limits.slots);
+        if alone && !keys.as_ref().iter().any(|k| s.busy.contains(k)) {
             s.running += 1;
             s.busy.extend(keys.as_ref().iter().cloned());
             drop(s);
@@ -184,7 +193,12 @@ impl<W: Work> GroupCommit<W> {
             since: Instant::now(),
             reply,
         });
-        shared.queued.set(s.queue.len() as i64);
+        if s.running < shared.limits.slots && s.queue.len() >= shared.limits.fill {
+            // Perhaps a full enough batch now: start it.
+            shared.dispatch(&mut s);
+        } else {
+            shared.queued.set(s.queue.len() as i64);
+        }
         Turn::Queued(answer)
     }
 }
@@ -198,7 +212,12 @@ impl<W: Work> Shared<W> {
     /// Starts the batches the free slots and keys allow.
     fn dispatch(self: &Arc<Self>, s: &mut State<W>) {
         while s.running < self.limits.slots {
-            let mut batch = assemble(&mut s.queue, self.limits.size, &s.busy, |w| {
+            // A batch beside a running one only when full enough.
+            let least = if s.running == 0 { 1 } else { self.limits.fill };
+            if s.queue.len() < least {
+                break;
+            }
+            let mut batch = assemble(&mut s.queue, self.limits.size, least, &s.busy, |w| {
                 W::keys(&w.item)
             });
             if batch.is_empty() {
@@ -266,11 +285,13 @@ impl<W: Work> Drop for Slot<W> {
 
 /// Takes the next batch from `queue`: in arrival order, at most `max`
 /// items, none with a key that is `busy` or already in the batch (`keys`
-/// gives an item's keys; one named twice counts once). The items left keep
+/// gives an item's keys; one named twice counts once); none at all, and the
+/// queue untouched, when fewer than `least` could go. The items left keep
 /// their order.
 pub fn assemble<T, K, Ks>(
     queue: &mut VecDeque<T>,
     max: usize,
+    least: usize,
     busy: &HashSet<K>,
     keys: impl Fn(&T) -> Ks,
 ) -> Vec<T>
@@ -278,51 +299,172 @@ where
     K: Eq + Hash + Clone,
     Ks: AsRef<[K]>,
 {
-    let mut batch: Vec<T> = Vec::new();
+    let mut chosen: Vec<bool> = Vec::with_capacity(queue.len());
     let mut taken: HashSet<K> = HashSet::new();
-    let mut skipped = Vec::new();
-    while batch.len() < max {
-        let Some(item) = queue.pop_front() else {
-            break;
+    let mut count = 0;
+    for item in queue.iter() {
+        let go = count < max && {
+            let ks = keys(item);
+            let ks = ks.as_ref();
+            let free = ks.iter().all(|k| !busy.contains(k) && !taken.contains(k));
+            if free {
+                taken.extend(ks.iter().cloned());
+            }
+            free
         };
-        let ks = keys(&item);
-        let ks = ks.as_ref();
-        let free = ks.iter().all(|k| !busy.contains(k) && !taken.contains(k));
-        if free {
-            taken.extend(ks.iter().cloned());
+        count += usize::from(go);
+        chosen.push(go);
+    }
+    if count == 0 || count < least {
+        return Vec::new();
+    }
+    let mut batch = Vec::with_capacity(count);
+    let mut rest = VecDeque::with_capacity(queue.len() - count);
+    for (item, go) in queue.drain(..).zip(chosen) {
+        if go {
             batch.push(item);
         } else {
-            skipped.push(item);
+            rest.push_back(item);
         }
     }
-    for item in skipped.into_iter().rev() {
-        queue.push_front(item);
-    }
+    *queue = rest;
     batch
 }
 
 #[cfg(test)]
 mod tests {
-    use super::assemble;
+    use super::{assemble, GroupCommit, Limits, Slot, Turn, Work};
     use proptest::prelude::*;
     use std::collections::{HashSet, VecDeque};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    /// Batches that record their size and wait until the test opens them.
+    struct Held {
+        sizes: Arc<Mutex<Vec<usize>>>,
+        open: tokio::sync::watch::Receiver<bool>,
+    }
+
+    impl Work for Held {
+        type Key = u32;
+        type Keys = [u32; 1];
+        type Item = u32;
+        type Answer = u32;
+
+        fn keys(item: &u32) -> [u32; 1] {
+            [*item]
+        }
+
+        fn waited_too_long() -> u32 {
+            u32::MAX
+        }
+
+        async fn run(&self, items: Vec<u32>, _slot: Slot<Self>) -> Vec<u32> {
+            self.sizes.lock().expect("sizes").push(items.len());
+            let mut open = self.open.clone();
+            let _ = open.wait_for(|o| *o).await;
+            items
+        }
+    }
+
+    async fn settle() {
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    /// While a batch runs, a further one starts only with `fill` items;
+    /// once none runs, whatever may go goes.
+    #[tokio::test]
+    async fn a_batch_beside_a_running_one_starts_only_when_full_enough() {
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let (open, rx) = tokio::sync::watch::channel(false);
+        let q = GroupCommit::new(
+            Held {
+                sizes: sizes.clone(),
+                open: rx,
+            },
+            Limits {
+                size: 8,
+                slots: 2,
+                fill: 4,
+                queue_bound: Duration::from_secs(60),
+            },
+            prometheus::IntGauge::new("q", "q").expect("gauge"),
+            prometheus::Histogram::with_opts(prometheus::HistogramOpts::new("s", "s"))
+                .expect("histogram"),
+        );
+        let Turn::Now(alone) = q.enter([0], || 0) else {
+            panic!("an idle queue runs the first item at once");
+        };
+        let mut waiting = Vec::new();
+        for k in 1..4 {
+            match q.enter([k], || k) {
+                Turn::Queued(rx) => waiting.push(rx),
+                Turn::Now(_) => panic!("{k} ran beside a running item"),
+            }
+        }
+        settle().await;
+        assert!(
+            sizes.lock().expect("sizes").is_empty(),
+            "three of four: no batch yet"
+        );
+        let Turn::Queued(fourth) = q.enter([4], || 4) else {
+            panic!("4 ran alone");
+        };
+        waiting.push(fourth);
+        settle().await;
+        assert_eq!(
+            *sizes.lock().expect("sizes"),
+            vec![4],
+            "the fourth filled a batch"
+        );
+        // Both slots busy (the lone item and the batch): 5 waits, and still
+        // waits when the lone item is done (one of one is not full).
+        let Turn::Queued(fifth) = q.enter([5], || 5) else {
+            panic!("5 ran with both slots busy");
+        };
+        drop(alone);
+        settle().await;
+        assert_eq!(*sizes.lock().expect("sizes"), vec![4]);
+        // The batch ends: no batch runs, so 5 goes alone.
+        open.send_replace(true);
+        for (rx, want) in waiting.into_iter().zip(1..) {
+            assert_eq!(rx.await.expect("answered"), want);
+        }
+        assert_eq!(fifth.await.expect("answered"), 5);
+        assert_eq!(*sizes.lock().expect("sizes"), vec![4, 1]);
+    }
 
     proptest! {
         /// A batch holds no key twice and no busy key, at most `max` items,
         /// in arrival order; with what stays queued (in its order) it is
         /// exactly the queue; it is as full as the queue allows, the first
         /// item that may go goes, and no item that could have gone is left
-        /// behind for a later one.
+        /// behind for a later one. Below `least` items there is no batch and
+        /// the queue is as it was.
         #[test]
         fn batches_are_distinct_bounded_and_fair(
             items in proptest::collection::vec(proptest::collection::vec(0u8..16, 1..3), 0..80),
             busy in proptest::collection::hash_set(0u8..16, 0..5),
             max in 1usize..70,
+            least in 1usize..12,
         ) {
             // Items are (arrival index, keys).
             let input: Vec<(usize, Vec<u8>)> = items.iter().cloned().enumerate().collect();
             let mut queue: VecDeque<(usize, Vec<u8>)> = input.iter().cloned().collect();
-            let batch = assemble(&mut queue, max, &busy, |(_, ks)| ks.clone());
+            let least = least.min(max);
+            let mut whole = queue.clone();
+            let batch = assemble(&mut queue, max, least, &busy, |(_, ks)| ks.clone());
+            // What a batch of at least one would have been.
+            let unbounded = assemble(&mut whole, max, 1, &busy, |(_, ks)| ks.clone());
+            if unbounded.len() < least {
+                prop_assert!(batch.is_empty(), "no batch below least");
+                prop_assert_eq!(queue.iter().cloned().collect::<Vec<_>>(), input.clone(), "queue untouched");
+                return Ok(());
+            }
+            prop_assert_eq!(&batch, &unbounded, "least does not change a batch it lets go");
 
             prop_assert!(batch.len() <= max);
             // Each item's keys once, however often it names them.

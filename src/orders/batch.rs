@@ -1,9 +1,10 @@
 //! Group commit of order events: [`EventBatcher`] runs an event at once, in
-//! its own transaction, while fewer than `postgres.order_batches_in_flight`
-//! event transactions run and none holds its order or token; the events
-//! that arrive meanwhile form the next batch, decided in one transaction
-//! with an answer per event. The queue is [`crate::durable::group`]'s,
-//! keyed by order and by token.
+//! its own transaction, while no event transaction runs; the events that
+//! arrive meanwhile form the next batch, decided in one transaction with an
+//! answer per event. The queue is [`crate::durable::group`]'s, keyed by
+//! order and by token: up to `postgres.order_batches_in_flight`
+//! transactions at once, each beside a running one with a quarter-full
+//! batch.
 //!
 //! A batch's transaction: `BEGIN`; one statement locks every order of the
 //! batch ([`sql::lock_many`]); the checks and [`decide`](super::decide) of
@@ -14,9 +15,8 @@
 //! the same steps with the one-order statements.
 //!
 //! What holds, and why:
-//! - **No wait when idle.** An event that finds a free slot runs alone on
-//!   its own task; only events that find every slot busy, or their order or
-//!   token in a running transaction, wait, and they wait for a transaction that is
+//! - **No wait when idle.** An event that finds no transaction running runs
+//!   alone on its own task; the others wait for a transaction that is
 //!   already running, not for a timer.
 //! - **Hot orders serialise.** A batch holds at most one event per order
 //!   and per token, none whose order or token is in a running transaction:
@@ -109,6 +109,8 @@ impl EventBatcher {
         let settings = ledger.postgres_settings();
         let limits = Limits {
             size: settings.order_batch_size,
+            // A further batch beside a running one: a quarter full at least.
+            fill: settings.order_batch_size.div_ceil(4),
             slots: settings
                 .order_batches_in_flight
                 .clamp(1, settings.pool_size.max(1) as usize),
