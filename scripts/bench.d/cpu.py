@@ -21,7 +21,7 @@
       run that left the cores idle (bound by latency, not CPU) shows it.
 
       Every process is read every 0.25 s while CMD runs. The measured window
-      ends at the last reading before CMD exits; with --window it starts
+      ends at the last reading in which the load generator was alive; with --window it starts
       SECONDS before that (wrk measures its last -d seconds: the seconds
       before, in which its threads load their token files, are left out),
       else at the start. OUT_JSON holds the window's length and the group
@@ -104,7 +104,10 @@ def run(out_path, window, cmd):
     rc = child.wait()
     stop.set()
     t.join()
-    end = readings[-1]
+    # The last reading with the load generator alive (it may exit a moment
+    # before the `timeout` around it, and its CPU would then be lost).
+    alive = [r for r in readings[1:] if "load" in r[1]]
+    end = alive[-1] if alive else readings[-1]
     start = readings[0]
     if window:
         for r in readings:
