@@ -67,16 +67,13 @@ struct Consumes {
 
 impl ConsumeBatcher {
     pub fn new(pools: Pools, metrics: Arc<Metrics>, settings: &PostgresSettings) -> ConsumeBatcher {
-        let limits = Limits {
-            size: settings.consume_batch_size,
-            // A further batch beside a running one: a quarter full at least.
-            fill: settings.consume_batch_size.div_ceil(4),
-            slots: settings
-                .consume_batches_in_flight
-                .clamp(1, settings.pool_size.max(1) as usize),
+        let limits = Limits::for_pool(
+            settings.consume_batch_size,
+            settings.consume_batches_in_flight,
+            settings.pool_size,
             // As long as a request may wait for a pooled connection.
-            queue_bound: settings.acquire_timeout,
-        };
+            settings.acquire_timeout,
+        );
         ConsumeBatcher {
             queue: GroupCommit::new(
                 Consumes { pools },

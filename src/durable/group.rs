@@ -87,6 +87,26 @@ pub struct Limits {
     pub queue_bound: Duration,
 }
 
+impl Limits {
+    /// The limits of a Postgres batcher: batches of at most `size`, at most
+    /// `in_flight` at once (never more than the pool's `pool_size`
+    /// connections), each beside a running one a quarter full at least.
+    pub fn for_pool(
+        size: usize,
+        in_flight: usize,
+        pool_size: u32,
+        queue_bound: Duration,
+    ) -> Limits {
+        let size = size.max(1);
+        Limits {
+            size,
+            slots: in_flight.clamp(1, pool_size.max(1) as usize),
+            fill: size.div_ceil(4),
+            queue_bound,
+        }
+    }
+}
+
 /// A group-commit queue in front of a [`Work`] (see the module's docs).
 pub struct GroupCommit<W: Work> {
     shared: Arc<Shared<W>>,

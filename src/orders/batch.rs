@@ -107,17 +107,14 @@ fn keys(order_id: &str, token: &OrderToken) -> [Key; 2] {
 impl EventBatcher {
     pub fn new(ledger: Arc<Ledger>, pools: Pools) -> EventBatcher {
         let settings = ledger.postgres_settings();
-        let limits = Limits {
-            size: settings.order_batch_size,
-            // A further batch beside a running one: a quarter full at least.
-            fill: settings.order_batch_size.div_ceil(4),
-            slots: settings
-                .order_batches_in_flight
-                .clamp(1, settings.pool_size.max(1) as usize),
+        let limits = Limits::for_pool(
+            settings.order_batch_size,
+            settings.order_batches_in_flight,
+            settings.pool_size,
             // As long as an event could have waited alone for a pooled
             // connection and then for its order's lock.
-            queue_bound: settings.acquire_timeout + settings.statement_timeout,
-        };
+            settings.acquire_timeout + settings.statement_timeout,
+        );
         let metrics = ledger.metrics();
         let (queued, sizes) = (
             metrics.pg_order_queue.clone(),
