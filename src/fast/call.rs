@@ -109,23 +109,7 @@ impl FastTier {
         F: Fn(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
     {
-        let sent = self.send(Lane::Serving, op, &f).await?;
-        self.judge(sent)
-    }
-
-    /// [`FastTier::call`] on the [`Lane::Health`] lane: a PING that tells the
-    /// breaker and the latency window how Redis answers.
-    pub(super) async fn call_health<T, F, Fut>(
-        &self,
-        op: &'static str,
-        f: F,
-    ) -> Result<T, FastError>
-    where
-        F: Fn(Conn) -> Fut,
-        Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
-    {
-        let sent = self.send(Lane::Health, op, &f).await?;
-        self.judge(sent)
+        self.call_on(Lane::Serving, op, f).await
     }
 
     /// Runs one background call: skipped while the breaker is open, bounded
@@ -140,7 +124,22 @@ impl FastTier {
         F: Fn(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
     {
-        let sent = self.send(Lane::Background, op, &f).await?;
+        self.call_on(Lane::Background, op, f).await
+    }
+
+    /// [`FastTier::call`] on `lane` (its timeout, and whether its outcome
+    /// is evidence of health).
+    pub(super) async fn call_on<T, F, Fut>(
+        &self,
+        lane: Lane,
+        op: &'static str,
+        f: F,
+    ) -> Result<T, FastError>
+    where
+        F: Fn(Conn) -> Fut,
+        Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
+    {
+        let sent = self.send(lane, op, &f).await?;
         self.judge(sent)
     }
 

@@ -3,6 +3,7 @@
 
 use redis::Value;
 
+use super::call::Lane;
 use super::FastTier;
 use crate::health::{Health, Mode};
 
@@ -30,15 +31,7 @@ impl FastTier {
     /// made afresh, which reads the new slot map after a failover.
     pub async fn probe(&self) -> bool {
         self.health.half_open();
-        let ok = self
-            .call_health("ping", |mut c| async move {
-                redis::cmd("PING")
-                    .query_async::<String>(&mut c)
-                    .await
-                    .map(|_| ())
-            })
-            .await
-            .is_ok();
+        let ok = self.check().await;
         if !ok {
             self.reconnect_cluster();
         }
@@ -49,7 +42,7 @@ impl FastTier {
     /// without traffic learns of a dead or stalled Redis too (the fleet's
     /// report waits for its view).
     pub async fn check(&self) -> bool {
-        self.call_health("ping", |mut c| async move {
+        self.call_on(Lane::Health, "ping", |mut c| async move {
             redis::cmd("PING")
                 .query_async::<String>(&mut c)
                 .await

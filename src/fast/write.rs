@@ -214,20 +214,46 @@ impl FastTier {
         }))
     }
 
-    /// The `writeback` command of one consumed state (see `writeback.lua`).
+    /// The `writeback` command of one consumed state.
     fn consumed_cmd(&self, w: &ConsumedWrite, life: i64) -> redis::Cmd {
-        let m = &w.marker;
+        self.writeback_cmd(
+            &w.token,
+            "consumed",
+            w.gen,
+            life,
+            Some(&w.marker),
+            "",
+            false,
+        )
+    }
+
+    /// The one `writeback` command (its arguments as `writeback.lua` reads
+    /// them): `op` at generation `gen`, `ttl_ms` to live, the marker's
+    /// fields, the claim's `owner`, and `over` (see
+    /// [`FastTier::write_consumed_over`]).
+    #[allow(clippy::too_many_arguments)]
+    fn writeback_cmd(
+        &self,
+        token: &str,
+        op: &'static str,
+        gen: i64,
+        ttl_ms: i64,
+        marker: Option<&Marker>,
+        owner: &str,
+        over: bool,
+    ) -> redis::Cmd {
+        let field = |f: fn(&Marker) -> Option<&str>| marker.and_then(f).unwrap_or("");
         let mut cmd = evalsha(&self.scripts.writeback, 1);
-        cmd.arg(self.token_key(&w.token))
-            .arg("consumed")
-            .arg(w.gen)
-            .arg(life)
-            .arg(m.at_ms)
-            .arg(m.request_id.as_deref().unwrap_or(""))
-            .arg(m.fingerprint.as_deref().unwrap_or(""))
-            .arg(m.result.as_deref().unwrap_or(""))
-            .arg("")
-            .arg("0");
+        cmd.arg(self.token_key(token))
+            .arg(op)
+            .arg(gen)
+            .arg(ttl_ms)
+            .arg(marker.map_or(0, |m| m.at_ms))
+            .arg(field(|m| m.request_id.as_deref()))
+            .arg(field(|m| m.fingerprint.as_deref()))
+            .arg(field(|m| m.result.as_deref()))
+            .arg(owner)
+            .arg(if over { "1" } else { "0" });
         cmd
     }
 
@@ -270,26 +296,11 @@ impl FastTier {
         owner: &str,
         over: bool,
     ) -> Result<bool, FastError> {
-        let key = self.token_key(token);
         let script = &self.scripts.writeback;
-        let m = marker.cloned().unwrap_or_default();
-        let (key, m) = (&key, &m);
+        let cmd = &self.writeback_cmd(token, op, gen, ttl_ms, marker, owner, over);
         // Versioned, so safe to send again (see `connect`).
         self.call_idempotent(Lane::Background, "writeback", |mut c| async move {
-            let mut cmd = evalsha(script, 1);
-            cmd.arg(key)
-                .arg(op)
-                .arg(gen)
-                .arg(ttl_ms)
-                .arg(m.at_ms)
-                .arg(m.request_id.as_deref().unwrap_or(""))
-                .arg(m.fingerprint.as_deref().unwrap_or(""))
-                .arg(m.result.as_deref().unwrap_or(""))
-                .arg(owner)
-                .arg(if over { "1" } else { "0" });
-            run_script::<i64>(script, &cmd, &mut c)
-                .await
-                .map(|n| n == 1)
+            run_script::<i64>(script, cmd, &mut c).await.map(|n| n == 1)
         })
         .await
     }
