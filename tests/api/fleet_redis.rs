@@ -560,6 +560,17 @@ async fn a_result_recorded_while_the_fleet_has_redis_down_is_decided_in_postgres
     );
 }
 
+/// One instance whose Redis is reached through `link`, quick to time out.
+async fn behind(link: &Link, extra: &str) -> TestApp {
+    spawn_app_on(
+        Stores::fresh()
+            .redis(&format!("redis://127.0.0.1:{}", link.port()))
+            .with(FAST_TIMEOUT)
+            .with(extra),
+    )
+    .await
+}
+
 /// A Redis that answers, but later than `redis.timeout`, is slow for the
 /// instance, not down: each call that times out answers 503 (its outcome
 /// unknown), and only calls that could not reach Redis count toward
@@ -569,13 +580,7 @@ async fn a_result_recorded_while_the_fleet_has_redis_down_is_decided_in_postgres
 async fn calls_that_time_out_on_a_slow_link_are_slowness_not_redis_down() {
     let redis = RedisProc::start();
     let link = Link::to(redis.port).await;
-    let a = spawn_app_on(
-        Stores::fresh()
-            .redis(&format!("redis://127.0.0.1:{}", link.port()))
-            .with(FAST_TIMEOUT)
-            .with("redis.down_after = \"30s\""),
-    )
-    .await;
+    let a = behind(&link, "redis.down_after = \"30s\"").await;
     let tokens = issue_likes(&a, 6).await;
     assert!(consumed(&consume_on(&a, &tokens[0]).await));
 
@@ -616,24 +621,10 @@ async fn calls_that_time_out_on_a_slow_link_are_slowness_not_redis_down() {
 async fn an_idle_instances_failed_health_pings_are_evidence_but_not_serving_errors() {
     let redis = RedisProc::start();
     let link = Link::to(redis.port).await;
-    let a = spawn_app_on(
-        Stores::fresh()
-            .redis(&format!("redis://127.0.0.1:{}", link.port()))
-            .with(FAST_TIMEOUT)
-            .with("redis.down_after = \"1s\""),
-    )
-    .await;
+    let a = behind(&link, "redis.down_after = \"1s\"").await;
     assert_eq!(wait_fleet(&a, 10, "normal").await["redis"], "up");
-    use crate::metrics::sample;
-    let errors = |text: &str| sample(text, "ledger_fast_tier_total", &[("result", "error")]);
-    let pings = |text: &str| {
-        sample(
-            text,
-            "ledger_tier_duration_seconds_count",
-            &[("tier", "redis"), ("op", "ping")],
-        )
-        .unwrap_or(0.0)
-    };
+    use crate::metrics::{redis_calls, serving_errors as errors};
+    let pings = |text: &str| redis_calls(text, "ping");
     let before = a.metrics_text().await;
 
     link.slow(Duration::from_millis(400));

@@ -32,6 +32,21 @@ pub fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
         })
 }
 
+/// `ledger_fast_tier_total{result="error"}`: the serving path's failed Redis calls.
+pub fn serving_errors(text: &str) -> Option<f64> {
+    sample(text, "ledger_fast_tier_total", &[("result", "error")])
+}
+
+/// How many Redis calls of `op` were timed (`ledger_tier_duration_seconds_count`).
+pub fn redis_calls(text: &str, op: &str) -> f64 {
+    sample(
+        text,
+        "ledger_tier_duration_seconds_count",
+        &[("tier", "redis"), ("op", op)],
+    )
+    .unwrap_or(0.0)
+}
+
 fn has_family(text: &str, name: &str) -> bool {
     text.lines()
         .any(|l| l.starts_with(&format!("# TYPE {name} ")))
@@ -303,15 +318,7 @@ async fn journal_lag_counts_entries_waiting_in_the_stream() {
 #[tokio::test]
 async fn background_redis_failures_are_not_counted_as_the_serving_paths_errors() {
     let app = spawn_app().await;
-    let errors = |text: &str| sample(text, "ledger_fast_tier_total", &[("result", "error")]);
-    let reads = |text: &str| {
-        sample(
-            text,
-            "ledger_tier_duration_seconds_count",
-            &[("tier", "redis"), ("op", "xreadgroup")],
-        )
-        .unwrap_or(0.0)
-    };
+    let (errors, reads) = (serving_errors, |text: &str| redis_calls(text, "xreadgroup"));
     let mut redis = app.redis().await;
     let journal = format!("{}journal", app.stores.prefix);
     let () = redis::pipe()
