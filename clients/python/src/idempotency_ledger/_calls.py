@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Generic, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, Generic, Optional, TypeVar
 from urllib.parse import quote
 
 from .errors import ConfigError, DecodeError
@@ -283,6 +283,3 @@ def order_event(order_id: str, event: str, body: Dict[str, Any]) -> Call[EventOu
         _encode(body),
     )
 
-
-def is_replayed(headers: Sequence[tuple[str, str]]) -> bool:
-    return any(k.lower() == REPLAYED and v.strip().lower() == "true" for k, v in headers)

@@ -33,7 +33,10 @@ T = TypeVar("T")
 
 
 def _check_config(base_url: str, api_key: str) -> str:
-    url = httpx.URL(base_url)
+    try:
+        url = httpx.URL(base_url)
+    except (httpx.InvalidURL, TypeError) as e:
+        raise ConfigError(f"base URL {base_url!r}: {e}") from e
     if url.scheme not in ("http", "https") or not url.host:
         raise ConfigError(f"base URL {base_url!r} must be http:// or https:// with a host")
     if not api_key or any(ord(c) < 0x20 or ord(c) > 0x7E for c in api_key):
