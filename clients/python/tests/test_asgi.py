@@ -108,7 +108,7 @@ def test_problems(ledger: Any, runs: List[Dict[str, Any]]) -> None:
     with tc(app) as c:
         problem_of(c.post("/charge", json={}), 400, "idempotency_key_missing")
         problem_of(c.put("/charge", json={}), 400, "idempotency_key_missing")
-        problem_of(c.post("/charge", json={}, headers={"Idempotency-Key": "é".encode().decode("latin-1")}), 400, "idempotency_key_invalid")
+        problem_of(c.post("/charge", json={}, headers={"Idempotency-Key": "é".encode()}), 400, "idempotency_key_invalid")
         problem_of(
             c.post("/charge", content=b"x" * 101, headers={"Idempotency-Key": unique()}), 413, "payload_too_large"
         )
