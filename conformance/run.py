@@ -222,9 +222,14 @@ def check(step_no: int, expect: Dict[str, Any], reply: Reply) -> List[str]:
         got = reply.headers.get(name.lower())
         if want is None and got is not None:
             errs.append(f"{where}: header {name} should be absent, got {got!r}")
-        elif want == "*" and got is None:
-            errs.append(f"{where}: header {name} missing")
-        elif want not in (None, "*") and (got is None or got.strip() != want):
+        elif want is None:
+            continue
+        elif got is None:
+            errs.append(f"{where}: header {name} missing (expected {want!r})")
+        elif want.endswith("*"):
+            if not got.strip().lower().startswith(want[:-1].lower()):
+                errs.append(f"{where}: header {name} = {got!r}, expected {want!r}")
+        elif got.strip() != want:
             errs.append(f"{where}: header {name} = {got!r}, expected {want!r}")
     parsed: Any = None
     needs_json = "body_contains" in expect or "problem_code" in expect
