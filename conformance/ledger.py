@@ -144,7 +144,23 @@ key_prefix = "ledger-t-{self.tag}:"
             stderr=subprocess.DEVNULL,
             check=False,
         )
+        self._drop_redis_keys()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _drop_redis_keys(self) -> None:
+        """Best effort: the run's keys under its own prefix in database 3."""
+        if shutil.which("redis-cli") is None:
+            return
+        scan = subprocess.run(
+            ["redis-cli", "-h", "127.0.0.1", "-n", "3", "--scan", "--pattern", f"ledger-t-{self.tag}:*"],
+            capture_output=True, check=False, timeout=30,
+        )
+        keys = scan.stdout.decode(errors="replace").split()
+        for i in range(0, len(keys), 500):
+            subprocess.run(
+                ["redis-cli", "-h", "127.0.0.1", "-n", "3", "UNLINK", *keys[i:i + 500]],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False, timeout=30,
+            )
 
     def __enter__(self) -> "Ledger":
         return self.start()
