@@ -257,7 +257,7 @@ export class LedgerClient {
       const left = policy.deadlineMs - (performance.now() - started);
       let err: LedgerError;
       try {
-        return await this.#tryOnce(method, url, bytes, Math.max(1, Math.min(policy.attemptTimeoutMs, left)), signal);
+        return await this.#tryOnce(method, url, bytes, Math.max(1, Math.ceil(Math.min(policy.attemptTimeoutMs, left))), signal);
       } catch (e) {
         if (!(e instanceof LedgerError) || !e.retryable) throw e;
         err = e;
@@ -266,7 +266,7 @@ export class LedgerClient {
       const wait = Math.max(backoffMs(policy, attempt), (err.retryAfterSeconds ?? 0) * 1000);
       if (performance.now() - started + wait >= policy.deadlineMs) throw err;
       try {
-        await sleep(wait, undefined, signal === undefined ? undefined : { signal });
+        await sleep(Math.ceil(wait), undefined, signal === undefined ? undefined : { signal });
       } catch (e) {
         throw new LedgerError({ code: "aborted", message: "the call was aborted while waiting to retry", cause: e });
       }
