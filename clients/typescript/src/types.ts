@@ -40,7 +40,10 @@ export interface ConsumeRequest {
   fingerprint?: string;
   /** 1 to 128 printable ASCII characters; keep it to continue an attempt. */
   request_id?: string;
-  /** 0 to 10000: wait this long for a running winner to finish instead of answering `processing`. */
+  /**
+   * 0 to 10000: wait this long for a running winner to finish instead of
+   * answering `processing` (a ledger without it answers `invalid_request`).
+   */
   wait_ms?: number;
 }
 

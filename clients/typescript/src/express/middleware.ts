@@ -65,7 +65,8 @@ export interface IdempotencyOptions {
   inProgressRetryAfterSeconds?: number;
   /**
    * How long a retry waits for the first request with its key to finish (the
-   * ledger's `wait_ms`, 0 to 10000) before answering 409. Default 0: at once.
+   * ledger's `wait_ms`, 0 to 10000) before answering 409. Default 0: at once
+   * (and `wait_ms` is not sent). Needs a ledger that takes `wait_ms`.
    */
   waitMs?: number;
   /** The largest request body read (bytes, default 1 MiB); larger is 413. */

@@ -6,7 +6,8 @@
  *
  * The binary: `LEDGER_BIN`, else `<repo>/target/debug/idempotency-ledger`,
  * else `/work/main/target/debug/idempotency-ledger`; copied to a temporary
- * path first, so a rebuild under a running test changes nothing.
+ * path first, so a rebuild under a running test changes nothing. `psql` and
+ * `redis-cli` (when present) clean up afterwards.
  */
 
 import { execFile, spawn, type ChildProcess } from "node:child_process";
@@ -77,6 +78,19 @@ async function dropDatabase(name: string): Promise<void> {
   }
 }
 
+/** Deletes the run's Redis keys (database 3, its own prefix). */
+async function dropRedisKeys(prefix: string): Promise<void> {
+  try {
+    const { stdout } = await run("redis-cli", ["-h", "127.0.0.1", "-p", "6379", "-n", "3", "--scan", "--pattern", `${prefix}*`]);
+    const keys = stdout.split("\n").filter((k) => k !== "");
+    for (let i = 0; i < keys.length; i += 500) {
+      await run("redis-cli", ["-h", "127.0.0.1", "-p", "6379", "-n", "3", "unlink", ...keys.slice(i, i + 500)]);
+    }
+  } catch (e) {
+    console.warn(`could not delete the test's Redis keys ${prefix}*: ${(e as Error).message}`);
+  }
+}
+
 function exited(child: ChildProcess): Promise<void> {
   return new Promise((resolve) => {
     if (child.exitCode !== null || child.signalCode !== null) resolve();
@@ -121,6 +135,7 @@ export async function startLedger(): Promise<Ledger> {
       clearTimeout(killer);
     }
     await dropDatabase(db);
+    await dropRedisKeys(`ledger-t-${hex}:`);
     rmSync(dir, { recursive: true, force: true });
   };
   const deadline = Date.now() + 90_000;
