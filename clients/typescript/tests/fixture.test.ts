@@ -90,6 +90,14 @@ describe("conformance fixture", () => {
     const get = await fetch(`${base}/charge`);
     assert.deepEqual(await get.json(), { n: 4 });
     assert.equal(await invocations(), 4);
+
+    const notJson = await fetch(`${base}/charge`, {
+      method: "POST",
+      headers: { "Idempotency-Key": unique("k"), "content-type": "application/json" },
+      body: "{not json",
+    });
+    assert.equal(notJson.status, 201);
+    assert.deepEqual(await notJson.json(), { n: 5, echo: {} });
   });
 
   it("scopes keys by X-User", async () => {
