@@ -8,8 +8,8 @@ import { after, before, describe, it } from "node:test";
 
 import express, { type Express, type Request, type Response } from "express";
 
-import { LedgerClient, LedgerError } from "../src/index.js";
-import { PROBLEM_TYPE_BASE, idempotency, readKey, type IdempotencyOptions } from "../src/express/index.js";
+import { LedgerClient, LedgerError, requestFingerprint } from "../src/index.js";
+import { MAX_STORED, PROBLEM_TYPE_BASE, idempotency, ledgerKey, parseStored, readKey, storedOf, type IdempotencyOptions } from "../src/express/index.js";
 import { SERVICE_KEY, freePort, startLedger, unique, type Ledger } from "./ledger.js";
 
 let ledger: Ledger;
@@ -432,9 +432,48 @@ describe("the ledger", () => {
     assert.equal(s.invocations(), 0);
   });
 
+  it("a stored result that is not a stored response is 500 ledger_error, not a replay", async () => {
+    const s = await app();
+    const k = unique("k");
+    const body = JSON.stringify({ a: 1 });
+    // Another writer of the same key (a misconfigured second service, say).
+    await client.consumeKey({ biz_type: "order", key: k, fingerprint: requestFingerprint("POST", "/charge", Buffer.from(body)) });
+    await client.recordKeyResult("order", k, { not: "a response" });
+    const r = await send(`${s.url}/charge`, { key: k, raw: body, headers: { "content-type": "application/json" } });
+    assertProblem(r, 500, "ledger_error");
+    assert.equal(s.invocations(), 0);
+  });
+
   it("refuses a bad configuration at once", () => {
     assert.throws(() => idempotency({ client, bizType: "Not Valid" }), TypeError);
     assert.throws(() => idempotency({ client, bizType: "order", waitMs: 20_000 }), TypeError);
     assert.throws(() => idempotency({ client, bizType: "order", storeHeaders: ["bad header"] }), TypeError);
+  });
+});
+
+describe("stored responses", () => {
+  it("keep the named headers, text as text, NUL or non-UTF-8 as base64, and omit bodies over the limit", () => {
+    const headers = { "content-type": "text/plain", "set-cookie": ["a=1"], location: "/x" };
+    const keep = ["content-type", "location"];
+    const text = storedOf(200, headers, keep, Buffer.from("h\u00e9llo"));
+    assert.deepEqual(text, { status: 200, headers: [["content-type", "text/plain"], ["location", "/x"]], body: "h\u00e9llo" });
+    assert.equal(storedOf(200, headers, keep, Buffer.from("a\u0000b")).body_base64, Buffer.from("a\u0000b").toString("base64"));
+    assert.equal(storedOf(200, headers, keep, Buffer.from([0xff, 0xfe])).body_base64, "//4=");
+    const big = storedOf(201, headers, keep, Buffer.alloc(MAX_STORED, "x"));
+    assert.equal(big.body, undefined);
+    assert.equal(big.body_base64, undefined);
+    assert.equal(big.body_omitted, true);
+    assert.deepEqual(parseStored(JSON.parse(JSON.stringify(text))), text);
+    assert.equal(parseStored({ status: 200 }), undefined);
+    assert.equal(parseStored({ status: "200", headers: [] }), undefined);
+    assert.equal(parseStored([1, 2]), undefined);
+  });
+
+  it("scoped keys are <digest>:<key> and at most 255 characters", () => {
+    const scoped = ledgerKey("k1", "alice");
+    assert.ok(scoped.ok && /^[0-9a-f]{32}:k1$/.test(scoped.key));
+    assert.deepEqual(ledgerKey("k1", undefined), { ok: true, key: "k1" });
+    assert.equal(ledgerKey("x".repeat(222), "alice").ok, true);
+    assert.equal(ledgerKey("x".repeat(223), "alice").ok, false);
   });
 });

@@ -5,7 +5,7 @@ import assert from "node:assert/strict";
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
 import { after, before, describe, it } from "node:test";
 
-import { LedgerClient, LedgerError, backoffMs, parseRetryAfter, retryPolicy } from "../src/index.js";
+import { LedgerClient, LedgerError, backoffMs, canonicalJson, fingerprint, fingerprintJson, parseRetryAfter, requestFingerprint, retryPolicy, shortDigest } from "../src/index.js";
 import { freePort } from "./ledger.js";
 
 interface Seen {
@@ -214,5 +214,20 @@ describe("policy", () => {
     assert.throws(() => new LedgerClient({ baseUrl: "not a url", apiKey: "k" }), TypeError);
     assert.throws(() => new LedgerClient({ baseUrl: "http://x", apiKey: "" }), TypeError);
     assert.throws(() => new LedgerClient({ baseUrl: "http://x", apiKey: "a\nb" }), TypeError);
+  });
+});
+
+describe("fingerprints", () => {
+  it("are the Rust client's: sha256 hex, length-prefixed request parts, 16-byte scope digests", () => {
+    assert.equal(fingerprint("abc"), "sha256:ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    // Computed independently: sha256 over (u64 BE length, bytes) of each part.
+    assert.equal(
+      requestFingerprint("POST", "/charge?x=1", Buffer.from('{"a":1}')),
+      "sha256:52f2fbfcbaa0fc8580854b37e4d20b32804ce1a0111f1a4e46272247b0b47f70",
+    );
+    assert.notEqual(requestFingerprint("POST", "/a", Buffer.from("b")), requestFingerprint("POST", "/ab", Buffer.alloc(0)));
+    assert.equal(shortDigest("user-1"), "c6c289e49e9c05b2145860387b73bcb1");
+    assert.equal(canonicalJson({ b: [{ y: 1, x: 2 }], a: null }), '{"a":null,"b":[{"x":2,"y":1}]}');
+    assert.equal(fingerprintJson({ b: 1, a: 2 }), fingerprintJson({ a: 2, b: 1 }));
   });
 });

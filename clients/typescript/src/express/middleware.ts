@@ -168,7 +168,8 @@ async function handle(config: Config, req: Request, res: Response, next: NextFun
   }
   const body = await requestBody(config, req, res, next);
   if (body === undefined) return;
-  const scoped = ledgerKey(read.key, config.scope(req));
+  const scope: unknown = config.scope(req);
+  const scoped = ledgerKey(read.key, scope === undefined || scope === null ? undefined : String(scope));
   if (!scoped.ok) return sendProblem(res, "idempotency_key_invalid", scoped.why);
   const key = scoped.key;
   let outcome: ConsumeOutcome;
