@@ -121,8 +121,11 @@ export class LedgerClient {
     return consumeOutcome(a, body.request_id);
   }
 
-  /** Records the business result of a token this client consumed (at most 64 KiB with the request). */
-  async recordResult(token: string, subject: string, result: Json, options?: CallOptions): Promise<Recorded> {
+  /**
+   * Records the business result of a token this client consumed: any value
+   * `JSON.stringify` takes, at most 64 KiB with the request.
+   */
+  async recordResult(token: string, subject: string, result: unknown, options?: CallOptions): Promise<Recorded> {
     const a = await this.#call("POST", ["v1", "tokens", token, "result"], undefined, { subject, result }, options);
     expectOutcome(a, "recorded");
     return { replayed: a.replayed };
@@ -154,7 +157,7 @@ export class LedgerClient {
   }
 
   /** Records the result of a key this client consumed (`POST /v1/keys/result`). */
-  async recordKeyResult(bizType: string, key: string, result: Json, options?: CallOptions): Promise<Recorded> {
+  async recordKeyResult(bizType: string, key: string, result: unknown, options?: CallOptions): Promise<Recorded> {
     const a = await this.#call("POST", ["v1", "keys", "result"], undefined, { biz_type: bizType, key, result }, options);
     expectOutcome(a, "recorded");
     return { replayed: a.replayed };
@@ -219,12 +222,12 @@ export class LedgerClient {
   // ---- the guard ---------------------------------------------------------------
 
   /** Consume `token`, run `step` only if this attempt won, record its output; see {@link guardToken}. */
-  guardToken<R extends Json>(token: string, request: ConsumeRequest, step: Step<R>, options?: GuardOptions<R>): Promise<GuardOutcome<R>> {
+  guardToken<R>(token: string, request: ConsumeRequest, step: Step<R>, options?: GuardOptions<R>): Promise<GuardOutcome<R>> {
     return guardToken(this, token, request, step, options);
   }
 
   /** The same with a client-supplied key; see {@link guardKey}. */
-  guardKey<R extends Json>(request: KeyConsumeRequest, step: Step<R>, options?: GuardOptions<R>): Promise<GuardOutcome<R>> {
+  guardKey<R>(request: KeyConsumeRequest, step: Step<R>, options?: GuardOptions<R>): Promise<GuardOutcome<R>> {
     return guardKey(this, request, step, options);
   }
 

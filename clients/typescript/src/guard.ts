@@ -25,7 +25,7 @@ import type { LedgerError } from "./errors.js";
 import { newRequestId } from "./ids.js";
 import type { ConsumeOutcome, ConsumeRequest, Json, KeyConsumeRequest } from "./types.js";
 
-/** The business step: runs at most once per token (key). */
+/** The business step: runs at most once per token (key). Its output is recorded as JSON (`JSON.stringify`). */
 export type Step<R> = () => R | Promise<R>;
 
 export type GuardOutcome<R> =
@@ -108,12 +108,12 @@ const MESSAGES: Record<GuardError["kind"], string> = {
 
 interface Target {
   consume(): Promise<ConsumeOutcome>;
-  record(result: Json): Promise<unknown>;
+  record(result: unknown): Promise<unknown>;
   release(): Promise<void>;
 }
 
 /** Guards `step` with a token the ledger issued. */
-export function guardToken<R extends Json>(
+export function guardToken<R>(
   client: LedgerClient,
   token: string,
   request: ConsumeRequest,
@@ -133,7 +133,7 @@ export function guardToken<R extends Json>(
 }
 
 /** Guards `step` with a client-supplied key. */
-export function guardKey<R extends Json>(
+export function guardKey<R>(
   client: LedgerClient,
   request: KeyConsumeRequest,
   step: Step<R>,
@@ -151,7 +151,7 @@ export function guardKey<R extends Json>(
   );
 }
 
-async function run<R extends Json>(target: Target, step: Step<R>, options: GuardOptions<R>): Promise<GuardOutcome<R>> {
+async function run<R>(target: Target, step: Step<R>, options: GuardOptions<R>): Promise<GuardOutcome<R>> {
   let outcome: ConsumeOutcome;
   try {
     outcome = await target.consume();

@@ -137,6 +137,21 @@ describe("guardToken", () => {
   });
 });
 
+interface Charge {
+  id: string;
+  amount: number;
+}
+
+describe("guard outputs", () => {
+  it("take your own interfaces (any JSON-serializable value)", async () => {
+    const key = unique("typed");
+    const ran = await client.guardKey<Charge>({ biz_type: "order", key }, () => ({ id: "ch_1", amount: 5 }));
+    const replayed = await client.guardKey<Charge>({ biz_type: "order", key }, () => ({ id: "ch_2", amount: 6 }));
+    assert.equal(ran.status === "ran" && ran.output.id, "ch_1");
+    assert.equal(replayed.status === "completed" && replayed.output.amount, 5);
+  });
+});
+
 describe("guardKey", () => {
   it("runs once per key; undefined output is recorded as null; a fingerprint clash is a consume error", async () => {
     const key = unique("msg");

@@ -36,7 +36,7 @@ import type { NextFunction, Request, RequestHandler, Response } from "express";
 import type { CallOptions, LedgerClient } from "../client.js";
 import { LedgerError } from "../errors.js";
 import { canonicalJson, requestFingerprint } from "../fingerprint.js";
-import type { ConsumeOutcome, Json } from "../types.js";
+import type { ConsumeOutcome } from "../types.js";
 import { isSafe, keyHeaderValues, ledgerKey, readKey } from "./key.js";
 import { sendProblem } from "./problem.js";
 import { DEFAULT_STORED_HEADERS, parseStored, replay, storedOf } from "./stored.js";
@@ -369,7 +369,7 @@ async function settle(config: Config, res: Response, key: string, body: Buffer):
   }
   const stored = storedOf(status, res.getHeaders(), config.storeHeaders, body);
   try {
-    await config.client.recordKeyResult(config.bizType, key, stored as unknown as Json, config.call);
+    await config.client.recordKeyResult(config.bizType, key, stored, config.call);
   } catch (e) {
     // The handler ran: the key stays consumed, and retries answer 409 until a response is recorded.
     config.onLedgerError(e, "record");
