@@ -157,6 +157,7 @@ fn layer(ledger: Client, biz_type: String) -> IdempotencyLayer {
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(false)
         .init();
     let ledger_url = required("LEDGER_URL")?;
     let port: u16 = required("PORT")?
