@@ -76,12 +76,18 @@ async fn main() -> anyhow::Result<()> {
         &env("LEDGER_URL", "http://127.0.0.1:8080"),
         &env("LEDGER_API_KEY", "dev-payments-key"),
     )?;
-    let keyed = Router::new()
-        .route("/checkout", post(checkout))
-        .layer(IdempotencyLayer::new(
-            ledger,
-            env("LEDGER_BIZ_TYPE", "order"),
-        ));
+    let keyed = Router::new().route("/checkout", post(checkout)).layer(
+        IdempotencyLayer::new(ledger, env("LEDGER_BIZ_TYPE", "order"))
+            // The end user's keys are theirs alone. Here the user is the
+            // `X-User` header (a stand-in for your authentication: take
+            // it from what your auth middleware established).
+            .scope_by(|req| {
+                req.headers()
+                    .get("x-user")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned)
+            }),
+    );
     let app = Router::new()
         .route("/charges", get(charges))
         .merge(keyed)

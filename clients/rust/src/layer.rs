@@ -2,56 +2,103 @@
 //! (draft-ietf-httpapi-idempotency-key-header) on top of the ledger's
 //! client-supplied keys (`/v1/keys`), usable from axum or any tower stack.
 //!
+//! # Scope keys by your end user
+//! Keys belong to the API key the layer's [`Client`] uses: without a scope,
+//! **every end user of your service shares one key space**, and two users
+//! sending the same key and body get one stored response (the second user is
+//! served the first user's answer). Tell the layer who the user is:
+//!
+//! ```no_run
+//! # use idempotency_ledger_client::{Client, IdempotencyLayer};
+//! # fn user_of(_: &http::Request<()>) -> Option<String> { None }
+//! # let ledger = Client::new("http://127.0.0.1:8080", "dev-payments-key").unwrap();
+//! let layer = IdempotencyLayer::new(ledger, "order")
+//!     // The authenticated account (from a header your auth proxy sets, or
+//!     // an extension your auth middleware inserted); `None`: unscoped.
+//!     .scope_by(|req: &http::Request<()>| user_of(req));
+//! ```
+//!
+//! The hook sees the request head (method, URI, headers, extensions; the
+//! body is `()`). Its answer is hashed into the key in the ledger
+//! (`<32 hex digits of SHA-256 of the scope>:<key>`, or
+//! `<scope digest>#<SHA-256 of the key>` when that would pass the ledger's
+//! 255 characters), so users' keys never meet and every key of 1 to 255
+//! characters works whatever the scope. [`IdempotencyLayer::scope`] is the
+//! same hook over [`http::request::Parts`]. A layer with no scope hook logs a
+//! warning (`tracing::warn!`) once, when it wraps its first service; when one
+//! key space is what you want (one end user, or keys that are unguessable
+//! secrets checked elsewhere), say so with [`IdempotencyLayer::unscoped`].
+//!
+//! # What the layer answers
 //! For a request with an unsafe method (anything but GET, HEAD, OPTIONS and
 //! TRACE, which pass through untouched):
 //!
-//! | situation | answer |
-//! |---|---|
-//! | first request with a key | the handler runs; its response is stored (see below) and returned |
-//! | a retry with the same key and payload, after the first finished | the stored response, with `Idempotent-Replayed: true`; the handler does not run |
-//! | a retry while the first is still running | 409, `Retry-After`, the handler does not run |
-//! | the same key with another payload (method, path with query, or body) | 422 |
-//! | no key, where the layer requires one (the default) | 400 |
-//! | a key that is not 1 to 255 printable ASCII characters (or a repeated header) | 400 |
-//! | a body over the limit (default 1 MiB) | 413 |
-//! | the ledger cannot be reached | 503 with `Retry-After`; the handler does not run |
+//! | situation | answer | problem `code` |
+//! |---|---|---|
+//! | first request with a key | the handler runs; its response is stored (see below) and returned | |
+//! | a retry with the same key and payload, after the first finished | the stored response, with `Idempotent-Replayed: true`; the handler does not run | |
+//! | a retry while the first is still running | 409, `Retry-After`, the handler does not run | `idempotency_key_in_use` |
+//! | the same key with another payload (method, path with query, or body) | 422 | `idempotency_key_reused` |
+//! | no key, where the layer requires one (the default) | 400 | `idempotency_key_missing` |
+//! | a key that is not 1 to 255 printable ASCII characters (or a repeated header) | 400 | `idempotency_key_invalid` |
+//! | a body over the limit (default 1 MiB) | 413 | `payload_too_large` |
+//! | the ledger cannot be reached | 503 with `Retry-After`; the handler does not run | `ledger_unavailable` |
+//! | a request body that cannot be read | 400 | `request_body_unreadable` |
+//! | the ledger refuses the layer's own calls (API key, grants, biz type) | 500; the handler does not run | `ledger_refused` |
+//! | the handler answered but its response body failed | 500; the key stays consumed | `response_failed` |
+//! | a stored result that is not a response of this layer | 500 | `stored_response_unreadable` |
+//! | the runtime shuts down while the handler runs | 503 | `shutting_down` |
 //!
-//! Errors of the layer itself are `application/problem+json` (RFC 9457).
+//! # Problem details
+//! Errors of the layer itself are `application/problem+json` (RFC 9457):
+//!
+//! ```json
+//! {"type": "https://github.com/idempotency-ledger/idempotency-ledger/blob/main/docs/integration.md#idempotency_key_in_use",
+//!  "code": "idempotency_key_in_use", "title": "...", "status": 409, "detail": "..."}
+//! ```
+//!
+//! `code` is stable across versions (the constants of [`codes`]); match on
+//! it, never on `title` or `detail`. `type` is [`PROBLEM_TYPE_BASE`] followed
+//! by the code: the section of the integration guide that explains it.
 //!
 //! # Which responses are stored
-//! Every response below 500 (2xx, 3xx, 4xx) except 408 and 429 is stored as
-//! the key's result, and replayed to every later retry: its status, the
-//! headers named by [`IdempotencyLayer::store_header`] (by default
-//! `content-type`, `content-language`, `location`, `etag`, `last-modified`),
-//! and its body (as text, or base64 when it is not UTF-8). A body too large
-//! for the ledger's 64 KiB results is not stored: its retries replay the
-//! status and headers with an empty body.
+//! By default every response below 500 (2xx, 3xx, 4xx) except 408 and 429 is
+//! stored as the key's result ([`IdempotencyLayer::store_status`] chooses
+//! otherwise), and replayed to every later retry: its status, the headers
+//! named by [`IdempotencyLayer::store_header`] (by default `content-type`,
+//! `content-language`, `location`, `etag`, `last-modified`), and its body (as
+//! text, or base64 when it is not UTF-8).
 //!
-//! A 5xx, a 408 or 429, an error of the inner service, or a handler that
-//! panics releases the key: the next retry runs the handler again. Return a
-//! 5xx only when the handler did nothing that must not happen twice.
+//! A response whose body does not fit the ledger's 64 KiB results (about
+//! 60 KiB of body; less when it must be escaped or base64-encoded) is stored
+//! without its body: the first caller gets the whole response; its retries
+//! get the stored status and headers, an empty body, and the header
+//! `Idempotent-Body-Omitted: true` (as well as `Idempotent-Replayed: true`).
+//! A client that sees it knows the request ran and must fetch the resource
+//! another way (its `Location`, say). A warning is logged when it happens.
+//!
+//! A response whose status is not stored (by default a 5xx, a 408 or 429), an
+//! error of the inner service, or a handler that panics releases the key:
+//! the next retry runs the handler again. Return such a status only when the
+//! handler did nothing that must not happen twice.
 //!
 //! The handler runs in its own task: a client that disconnects does not
 //! cancel it halfway, and its response is still stored for the retry. A
 //! process that dies while a handler runs leaves its key answering 409: once
 //! you know what happened, release it ([`Client::release_key`]) or record a
 //! response for it.
-//!
-//! # Keys are per caller of the ledger, not per user
-//! Keys belong to the API key the layer's [`Client`] uses. When your own
-//! users choose their keys, give the layer a [`IdempotencyLayer::scope`]
-//! (their account id, say), so one user's key can never replay another
-//! user's response.
 
 use std::any::Any;
 use std::convert::Infallible;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+pub mod codes;
 mod key;
 mod stored;
 
@@ -76,6 +123,13 @@ use crate::outcome::ConsumeOutcome;
 
 /// The request header carrying the key.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// The header on a replay whose stored response had a body too large to
+/// store: the replay has the status and headers, and an empty body.
+pub const BODY_OMITTED: &str = "idempotent-body-omitted";
+/// The start of every problem `type` of the layer: the code follows, as the
+/// anchor of its section in the integration guide.
+pub const PROBLEM_TYPE_BASE: &str =
+    "https://github.com/idempotency-ledger/idempotency-ledger/blob/main/docs/integration.md#";
 /// The ledger's limit on a key.
 const MAX_KEY: usize = 255;
 /// A stored response larger than this (as JSON) is stored without its body:
@@ -115,7 +169,47 @@ impl std::fmt::Debug for BoxBody {
     }
 }
 
-type Scope = Arc<dyn Fn(&http::request::Parts) -> Option<String> + Send + Sync>;
+type PartsScope = Arc<dyn Fn(&http::request::Parts) -> Option<String> + Send + Sync>;
+type RequestScope = Arc<dyn Fn(&Request<()>) -> Option<String> + Send + Sync>;
+type StoreStatus = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
+
+/// Whose keys a request's key is among.
+#[derive(Clone)]
+enum Scoping {
+    /// Nobody chose: one key space, and a warning.
+    Unset,
+    /// [`IdempotencyLayer::unscoped`]: one key space, on purpose.
+    Shared,
+    Parts(PartsScope),
+    Request(RequestScope),
+}
+
+impl Scoping {
+    /// The request's scope; the head goes in and comes back out (the
+    /// request hook sees it as a `Request<()>` without a copy).
+    fn of(&self, parts: http::request::Parts) -> (http::request::Parts, Option<String>) {
+        match self {
+            Scoping::Unset | Scoping::Shared => (parts, None),
+            Scoping::Parts(f) => {
+                let scope = f(&parts);
+                (parts, scope)
+            }
+            Scoping::Request(f) => {
+                let head = Request::from_parts(parts, ());
+                let scope = f(&head);
+                (head.into_parts().0, scope)
+            }
+        }
+    }
+}
+
+/// The default of [`IdempotencyLayer::store_status`]: below 500, except 408
+/// and 429.
+pub fn stored_by_default(status: StatusCode) -> bool {
+    !(status.is_server_error()
+        || status == StatusCode::REQUEST_TIMEOUT
+        || status == StatusCode::TOO_MANY_REQUESTS)
+}
 
 #[derive(Clone)]
 struct Config {
@@ -125,13 +219,16 @@ struct Config {
     stored_headers: Vec<HeaderName>,
     in_progress_retry_after: Duration,
     max_request_body: usize,
-    scope: Option<Scope>,
+    scoping: Scoping,
+    store_status: StoreStatus,
 }
 
 /// The `Idempotency-Key` layer; see the [module docs](self).
 #[derive(Clone)]
 pub struct IdempotencyLayer {
     config: Arc<Config>,
+    /// Set once the missing-scope warning is logged (shared by clones).
+    warned: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for IdempotencyLayer {
@@ -164,8 +261,10 @@ impl IdempotencyLayer {
                 .collect(),
                 in_progress_retry_after: Duration::from_secs(1),
                 max_request_body: 1024 * 1024,
-                scope: None,
+                scoping: Scoping::Unset,
+                store_status: Arc::new(stored_by_default),
             }),
+            warned: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -195,20 +294,71 @@ impl IdempotencyLayer {
         self.with(|c| c.max_request_body = bytes)
     }
 
-    /// Scopes keys by what `scope` returns for a request (the authenticated
-    /// account, say): the same key of two scopes are two keys. `None` leaves
-    /// the key unscoped. A scoped key may be at most 222 characters.
+    /// Scopes keys by what `scope` returns for a request's head (the
+    /// authenticated end user, say): the same key of two scopes are two keys,
+    /// and one user's key never replays another user's response. `None`
+    /// leaves that request's key unscoped (shared by every request whose
+    /// scope is `None`, anonymous callers say). The scope is hashed into the
+    /// ledger's key: keys keep their 1 to 255 characters whatever the scope.
+    ///
+    /// ```no_run
+    /// # use idempotency_ledger_client::{Client, IdempotencyLayer};
+    /// # let ledger = Client::new("http://127.0.0.1:8080", "dev-payments-key").unwrap();
+    /// // Behind an auth proxy that sets `X-User` (and strips it from callers):
+    /// let layer = IdempotencyLayer::new(ledger, "order").scope_by(|req| {
+    ///     req.headers().get("x-user")?.to_str().ok().map(str::to_owned)
+    /// });
+    /// ```
+    pub fn scope_by<F>(self, scope: F) -> IdempotencyLayer
+    where
+        F: Fn(&Request<()>) -> Option<String> + Send + Sync + 'static,
+    {
+        self.with(|c| c.scoping = Scoping::Request(Arc::new(scope)))
+    }
+
+    /// [`scope_by`](Self::scope_by) over the request's [`http::request::Parts`].
     pub fn scope<F>(self, scope: F) -> IdempotencyLayer
     where
         F: Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
     {
-        self.with(|c| c.scope = Some(Arc::new(scope)))
+        self.with(|c| c.scoping = Scoping::Parts(Arc::new(scope)))
+    }
+
+    /// One key space for every end user, on purpose: no scope, and no
+    /// warning. Two users sending the same key and payload share one stored
+    /// response; choose it only when that cannot happen or does not matter.
+    pub fn unscoped(self) -> IdempotencyLayer {
+        self.with(|c| c.scoping = Scoping::Shared)
+    }
+
+    /// Which statuses are stored as the key's result (and replayed to every
+    /// retry); the key of any other status is released, and its retry runs
+    /// the handler again. Default: [`stored_by_default`] (below 500, except
+    /// 408 and 429). Storing a 5xx means a retry never runs the handler
+    /// again after a failure; not storing a 4xx means the handler runs again
+    /// for each retry of a refused request.
+    pub fn store_status<F>(self, stored: F) -> IdempotencyLayer
+    where
+        F: Fn(StatusCode) -> bool + Send + Sync + 'static,
+    {
+        self.with(|c| c.store_status = Arc::new(stored))
     }
 }
 
 impl<S> Layer<S> for IdempotencyLayer {
     type Service = Idempotency<S>;
     fn layer(&self, inner: S) -> Idempotency<S> {
+        if matches!(self.config.scoping, Scoping::Unset)
+            && !self.warned.swap(true, Ordering::Relaxed)
+        {
+            tracing::warn!(
+                biz_type = %self.config.biz_type,
+                "IdempotencyLayer has no scope: Idempotency-Key values are shared across all \
+                 end users of this service, and one user's key can replay another user's stored \
+                 response. Call .scope_by(..) with the authenticated user, or .unscoped() to \
+                 make the shared key space explicit."
+            );
+        }
         Idempotency {
             inner,
             config: self.config.clone(),
@@ -265,10 +415,12 @@ fn full(bytes: Bytes) -> BoxBody {
     )
 }
 
-/// An `application/problem+json` answer of the layer itself.
-fn problem(status: StatusCode, title: &str, detail: &str) -> Response<BoxBody> {
+/// An `application/problem+json` answer of the layer itself, with its
+/// stable `code` and a `type` linking to the code's documentation.
+fn problem(status: StatusCode, code: &str, title: &str, detail: &str) -> Response<BoxBody> {
     let body = serde_json::json!({
-        "type": "about:blank",
+        "type": format!("{PROBLEM_TYPE_BASE}{code}"),
+        "code": code,
         "title": title,
         "status": status.as_u16(),
         "detail": detail,
@@ -314,6 +466,7 @@ where
         Ok(None) => {
             return Ok(problem(
                 StatusCode::BAD_REQUEST,
+                codes::IDEMPOTENCY_KEY_MISSING,
                 "Idempotency-Key is missing",
                 "This operation requires an Idempotency-Key header.",
             ))
@@ -321,17 +474,20 @@ where
         Err(why) => {
             return Ok(problem(
                 StatusCode::BAD_REQUEST,
+                codes::IDEMPOTENCY_KEY_INVALID,
                 "Idempotency-Key is invalid",
                 &why,
             ))
         }
     };
     let (parts, body) = req.into_parts();
+    let (parts, scope) = config.scoping.of(parts);
     let body = match Limited::new(body, config.max_request_body).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
             return Ok(problem(
                 StatusCode::PAYLOAD_TOO_LARGE,
+                codes::PAYLOAD_TOO_LARGE,
                 "Request body too large",
                 &format!("At most {} bytes.", config.max_request_body),
             ))
@@ -339,16 +495,18 @@ where
         Err(_) => {
             return Ok(problem(
                 StatusCode::BAD_REQUEST,
+                codes::REQUEST_BODY_UNREADABLE,
                 "Request body unreadable",
                 "The request body could not be read.",
             ))
         }
     };
-    let key = match ledger_key(&config, &parts, &key) {
+    let key = match ledger_key(scope.as_deref(), &key) {
         Ok(key) => key,
         Err(why) => {
             return Ok(problem(
                 StatusCode::BAD_REQUEST,
+                codes::IDEMPOTENCY_KEY_INVALID,
                 "Idempotency-Key is invalid",
                 &why,
             ))
@@ -364,6 +522,7 @@ where
         Ok(ConsumeOutcome::InProgress { .. }) => Ok(with_retry_after(
             problem(
                 StatusCode::CONFLICT,
+                codes::IDEMPOTENCY_KEY_IN_USE,
                 "A request is outstanding for this Idempotency-Key",
                 "The first request with this key has not finished yet; retry later.",
             ),
@@ -372,6 +531,7 @@ where
         Ok(ConsumeOutcome::Completed { result, .. }) => Ok(replay(result)),
         Err(Error::FingerprintMismatch(_)) => Ok(problem(
             StatusCode::UNPROCESSABLE_ENTITY,
+            codes::IDEMPOTENCY_KEY_REUSED,
             "Idempotency-Key is already used",
             "This key was used for a request with another method, path or body.",
         )),
@@ -380,6 +540,7 @@ where
             Ok(with_retry_after(
                 problem(
                     StatusCode::SERVICE_UNAVAILABLE,
+                    codes::LEDGER_UNAVAILABLE,
                     "Idempotency ledger unavailable",
                     "The request was not run; retry it with the same Idempotency-Key.",
                 ),
@@ -390,6 +551,7 @@ where
             tracing::error!(error = %e, "the idempotency ledger refused the key");
             Ok(problem(
                 StatusCode::INTERNAL_SERVER_ERROR,
+                codes::LEDGER_REFUSED,
                 "Idempotency check failed",
                 "The request was not run.",
             ))
@@ -450,6 +612,7 @@ where
         // The runtime is shutting down.
         Err(_) => Ok(problem(
             StatusCode::SERVICE_UNAVAILABLE,
+            codes::SHUTTING_DOWN,
             "Shutting down",
             "The request was interrupted.",
         )),
@@ -462,18 +625,15 @@ async fn release(config: &Config, key: &str, why: &str) {
     }
 }
 
-/// Stores a response below 500 (not 408 or 429) as the key's result;
-/// releases the key for the others.
+/// Stores a response whose status is stored (by default below 500, not
+/// 408 or 429) as the key's result; releases the key for the others.
 async fn settle<ResB>(config: &Config, key: &str, resp: Response<ResB>) -> Response<BoxBody>
 where
     ResB: Body<Data = Bytes> + Send + 'static,
     ResB::Error: Into<BoxError>,
 {
     let status = resp.status();
-    if status.is_server_error()
-        || status == StatusCode::REQUEST_TIMEOUT
-        || status == StatusCode::TOO_MANY_REQUESTS
-    {
+    if !(config.store_status)(status) {
         release(
             config,
             key,
@@ -492,12 +652,20 @@ where
             tracing::error!(error = %e, "the handler's response body failed; the key stays consumed");
             return problem(
                 StatusCode::INTERNAL_SERVER_ERROR,
+                codes::RESPONSE_FAILED,
                 "Response failed",
                 "The request ran but its response could not be produced.",
             );
         }
     };
     let stored = Stored::of(status, &parts.headers, &config.stored_headers, &body);
+    if stored.body_omitted {
+        tracing::warn!(
+            body_bytes = body.len(),
+            "a response body is too large for the ledger: its retries replay the status and \
+             headers with Idempotent-Body-Omitted: true and an empty body"
+        );
+    }
     if let Err(e) = config
         .client
         .record_key_result(&config.biz_type, key, &stored)

@@ -94,7 +94,7 @@ pub use error::{Error, Problem};
 pub use fingerprint::{fingerprint, fingerprint_json, request_fingerprint};
 pub use guard::{Guard, GuardError, Guarded, SideEffects, StepError};
 pub use keys::{KeyConsumeRequest, KeyState};
-pub use layer::{Idempotency, IdempotencyLayer, IDEMPOTENCY_KEY};
+pub use layer::{Idempotency, IdempotencyLayer, BODY_OMITTED, IDEMPOTENCY_KEY};
 pub use orders::{
     Close, CreateOrder, EventOutcome, Order, OrderCreated, OrderEvent, OrderState, Pay, Refund,
 };

@@ -2,6 +2,7 @@
 //! the ledger (scoped), and which methods pass through untouched.
 
 use super::*;
+use crate::fingerprint::fingerprint;
 
 /// The key of a request: absent, or its value (an RFC 8941 string such as
 /// `"8e03978e"` as the draft writes it, or the bare text as many clients
@@ -45,24 +46,51 @@ pub(super) fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, Str
     Ok(Some(key))
 }
 
-/// The key in the ledger: the header's key, prefixed by its scope's digest.
-pub(super) fn ledger_key(
-    config: &Config,
-    parts: &http::request::Parts,
-    key: &str,
-) -> Result<String, String> {
-    let scoped = match config.scope.as_ref().and_then(|scope| scope(parts)) {
-        Some(scope) => format!("{}:{key}", short_digest(&scope)),
-        None => key.to_owned(),
-    };
-    if scoped.len() > MAX_KEY {
+/// The key in the ledger. Unscoped: the header's key. Scoped:
+/// `<scope digest>:<key>`, or `<scope digest>#<SHA-256 of the key>` when that
+/// would pass the ledger's 255 characters (the separator's fixed place tells
+/// the two apart). The scope digest is 32 hex digits.
+///
+/// An unscoped key that has the shape of a scoped one is refused: it could
+/// name a scoped user's key.
+pub(super) fn ledger_key(scope: Option<&str>, key: &str) -> Result<String, String> {
+    if key.len() > MAX_KEY {
         return Err(format!(
-            "the Idempotency-Key is too long (at most {} characters)",
-            MAX_KEY - (scoped.len() - key.len())
+            "the Idempotency-Key is too long (at most {MAX_KEY} characters)"
         ));
     }
-    Ok(scoped)
+    let Some(scope) = scope else {
+        if looks_scoped(key) {
+            return Err(
+                "an Idempotency-Key may not start with 32 hex digits and ':' or '#' (reserved)"
+                    .into(),
+            );
+        }
+        return Ok(key.to_owned());
+    };
+    let digest = short_digest(scope);
+    let scoped = format!("{digest}:{key}");
+    if scoped.len() <= MAX_KEY {
+        return Ok(scoped);
+    }
+    Ok(format!(
+        "{digest}#{}",
+        &fingerprint(key.as_bytes())["sha256:".len()..]
+    ))
 }
+
+/// `<32 lowercase hex digits>` then `:` or `#`: the shape of a scoped key.
+fn looks_scoped(key: &str) -> bool {
+    let b = key.as_bytes();
+    b.len() > SCOPE_DIGEST
+        && b[..SCOPE_DIGEST]
+            .iter()
+            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c))
+        && matches!(b[SCOPE_DIGEST], b':' | b'#')
+}
+
+/// The length of a scope's digest in a key.
+const SCOPE_DIGEST: usize = 32;
 
 pub(super) fn is_safe(method: &Method) -> bool {
     matches!(

@@ -12,6 +12,11 @@ pub(super) struct Stored {
     pub(super) body: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) body_base64: Option<String>,
+    /// The body was too large to store. (Results stored before this flag
+    /// existed say so by having neither `body` nor `body_base64`: an empty
+    /// body is stored as `""`.)
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(super) body_omitted: bool,
 }
 
 impl Stored {
@@ -36,6 +41,7 @@ impl Stored {
             headers,
             body: None,
             body_base64: None,
+            body_omitted: false,
         };
         match std::str::from_utf8(body) {
             // Postgres cannot hold U+0000 in JSON text: such bodies go as base64.
@@ -46,12 +52,14 @@ impl Stored {
         if size > MAX_STORED {
             stored.body = None;
             stored.body_base64 = None;
+            stored.body_omitted = true;
         }
         stored
     }
 }
 
-/// The stored response again, with `Idempotent-Replayed: true`.
+/// The stored response again, with `Idempotent-Replayed: true` (and
+/// `Idempotent-Body-Omitted: true` when its body was not stored).
 pub(super) fn replay(result: serde_json::Value) -> Response<BoxBody> {
     let stored: Stored = match serde_json::from_value(result) {
         Ok(s) => s,
@@ -59,16 +67,26 @@ pub(super) fn replay(result: serde_json::Value) -> Response<BoxBody> {
             tracing::error!(error = %e, "the key's result is not a stored response");
             return problem(
                 StatusCode::INTERNAL_SERVER_ERROR,
+                codes::STORED_RESPONSE_UNREADABLE,
                 "Stored response unreadable",
                 "This Idempotency-Key was completed, but its response cannot be replayed.",
             );
         }
     };
+    let omitted = stored.body_omitted || (stored.body.is_none() && stored.body_base64.is_none());
     let body = match (stored.body, stored.body_base64) {
         (Some(text), _) => Bytes::from(text),
         (None, Some(b64)) => match base64::engine::general_purpose::STANDARD.decode(b64) {
             Ok(bytes) => Bytes::from(bytes),
-            Err(_) => Bytes::new(),
+            Err(e) => {
+                tracing::error!(error = %e, "the key's stored body is not base64");
+                return problem(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    codes::STORED_RESPONSE_UNREADABLE,
+                    "Stored response unreadable",
+                    "This Idempotency-Key was completed, but its response cannot be replayed.",
+                );
+            }
         },
         (None, None) => Bytes::new(),
     };
@@ -86,5 +104,11 @@ pub(super) fn replay(result: serde_json::Value) -> Response<BoxBody> {
         HeaderName::from_static(REPLAYED),
         HeaderValue::from_static("true"),
     );
+    if omitted {
+        resp.headers_mut().insert(
+            HeaderName::from_static(BODY_OMITTED),
+            HeaderValue::from_static("true"),
+        );
+    }
     resp
 }
