@@ -165,8 +165,12 @@ pub async fn apply_entries(pool: &PgPool, entries: &[JournalEntry]) -> Result<()
 pub const LAG_REFRESH: Duration = Duration::from_secs(5);
 
 /// `ledger_journal_lag_entries`: fast-type journal entries not yet in
-/// Postgres, read when scraped (see [`OnScrape`]).
-pub fn lag_metric(fast: Arc<FastTier>) -> OnScrape {
+/// Postgres, read when scraped (see [`OnScrape`]). It holds the fast tier
+/// weakly: the tier holds the metrics that hold this, and a strong
+/// reference would keep both (and the pools the tier holds) alive after the
+/// service stopped.
+pub fn lag_metric(fast: &Arc<FastTier>) -> OnScrape {
+    let fast = Arc::downgrade(fast);
     // A static, valid definition.
     let gauge = IntGauge::new(
         "ledger_journal_lag_entries",
@@ -178,9 +182,13 @@ pub fn lag_metric(fast: Arc<FastTier>) -> OnScrape {
         vec![Box::new(gauge)],
         LAG_REFRESH,
         Arc::new(move || {
-            let fast = fast.clone();
+            let fast = fast.upgrade();
             let g = g.clone();
-            Box::pin(async move { refresh_lag(&fast, &g).await })
+            Box::pin(async move {
+                if let Some(fast) = fast {
+                    refresh_lag(&fast, &g).await;
+                }
+            })
         }),
     )
 }

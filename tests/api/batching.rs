@@ -331,7 +331,12 @@ async fn one_batch_statement_answers_each_item_as_the_single_statement_does() {
     };
     let batch: Vec<ConsumeItem> = cases(100).into_iter().map(|(r, _)| item(r)).collect();
     let refs: Vec<&ConsumeItem> = batch.iter().collect();
-    let batched = consume_batch(&pg, &refs).await.unwrap();
+    let batched: Vec<_> = consume_batch(&pg, &refs)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
     let mut single = Vec::new();
     for it in cases(200).into_iter().map(|(r, _)| item(r)) {
         single.push(
@@ -390,11 +395,11 @@ async fn one_batch_statement_answers_each_item_as_the_single_statement_does() {
 /// token exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_batch_that_fails_as_a_whole_answers_each_item_unavailable() {
-    let link = link::Link::to(5432).await;
+    let link = link::Link::to(suite_pg::port()).await;
     let stores = Stores::fresh()
         .postgres(&format!("postgres://postgres@127.0.0.1:{}", link.port()))
         .with("postgres.consume_batches_in_flight = 1\npostgres.acquire_timeout = \"2s\"\npostgres.statement_timeout = \"20s\"");
-    let direct_url = format!("{PG_BASE}/{}", stores.db_name);
+    let direct_url = format!("{}/{}", suite_pg::base(), stores.db_name);
     let app = Arc::new(spawn_app_on(stores).await);
     let pg = sqlx::postgres::PgPoolOptions::new()
         .max_connections(2)

@@ -85,7 +85,7 @@ fn service_config(stores: &Stores, pg_url: &str, extra: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn tokens_of_an_issuer_with_a_slow_postgres_link_are_consumable_on_its_peers() {
     let stores = Stores::fresh().with(LONG_LIKES);
-    let link = Link::to(5432).await;
+    let link = Link::to(suite_pg::port()).await;
     let a = spawn_app_on(
         stores
             .clone()
@@ -299,7 +299,7 @@ async fn a_sigterm_writes_every_owed_issuance_record() {
     // The database and its migrations first (the service's link is slow).
     let setup = spawn_app_on(stores.clone()).await;
     let pool = setup.pg().await;
-    let link = Link::to(5432).await;
+    let link = Link::to(suite_pg::port()).await;
     let dir = tempfile::tempdir().expect("tempdir");
     let via_link = format!(
         "postgres://postgres@127.0.0.1:{}/{}",

@@ -291,9 +291,7 @@ async fn journal_lag_counts_entries_waiting_in_the_stream() {
     // Read when scraped: the first gather starts the read, a later one sees it.
     let registry = prometheus::Registry::new();
     registry
-        .register(Box::new(idempotency_ledger::journal::lag_metric(
-            fast.clone(),
-        )))
+        .register(Box::new(idempotency_ledger::journal::lag_metric(&fast)))
         .expect("register");
     eventually(10, || async {
         let lag = registry

@@ -400,11 +400,11 @@ async fn an_event_postgres_refuses_fails_only_itself_in_a_batch() {
 /// apply each order exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_batch_cut_as_a_whole_answers_its_writes_unavailable_and_retries_apply_once() {
-    let link = link::Link::to(5432).await;
+    let link = link::Link::to(suite_pg::port()).await;
     let stores = Stores::fresh()
         .postgres(&format!("postgres://postgres@127.0.0.1:{}", link.port()))
         .with("postgres.order_batches_in_flight = 1\npostgres.acquire_timeout = \"2s\"\npostgres.statement_timeout = \"20s\"");
-    let direct_url = format!("{PG_BASE}/{}", stores.db_name);
+    let direct_url = format!("{}/{}", suite_pg::base(), stores.db_name);
     let app = Arc::new(spawn_app_on(stores).await);
     let pg = sqlx::postgres::PgPoolOptions::new()
         .max_connections(3)

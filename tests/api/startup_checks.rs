@@ -30,7 +30,7 @@ async fn durable_sessions_commit_synchronously_whatever_the_database_default() {
     // Create the database with synchronous_commit off as its default.
     let admin = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
-        .connect(&format!("{PG_BASE}/postgres"))
+        .connect(&format!("{}/postgres", stores.pg_base))
         .await
         .unwrap();
     sqlx::query(&format!("CREATE DATABASE \"{}\"", stores.db_name))

@@ -16,16 +16,17 @@ use tokio::task::JoinHandle;
 
 pub mod link;
 pub mod procs;
+pub mod suite_pg;
 
 pub use procs::free_port;
 
-pub const PG_BASE: &str = "postgres://postgres@127.0.0.1:5432";
 /// Tests use Redis database 2 of the shared server (isolated further by a key
 /// prefix per test), so whatever else lives in database 0 cannot slow a scan.
 pub const REDIS_URL: &str = "redis://127.0.0.1:6379/2";
 pub const PAYMENTS: &str = "dev-payments-key";
 pub const REFUNDS: &str = "dev-refunds-key";
 pub const ADMIN: &str = "dev-admin-key";
+pub const AUDITOR: &str = "dev-auditor-key";
 
 /// Where one test's state lives; two apps given the same `Stores` share it.
 #[derive(Debug, Clone)]
@@ -46,7 +47,7 @@ impl Stores {
             db_name: format!("ledger_t_{id}"),
             prefix: format!("ledger-t-{id}:"),
             redis_url: REDIS_URL.to_owned(),
-            pg_base: PG_BASE.to_owned(),
+            pg_base: suite_pg::base(),
             extra: String::new(),
         }
     }
@@ -114,7 +115,7 @@ pub struct TestApp {
     pub http: reqwest::Client,
     pub ledger: Arc<Ledger>,
     handle: actix_web::dev::ServerHandle,
-    join: JoinHandle<anyhow::Result<()>>,
+    join: Option<JoinHandle<anyhow::Result<()>>>,
 }
 
 pub async fn spawn_app() -> TestApp {
@@ -146,15 +147,28 @@ pub async fn spawn_app_with_clock(stores: Stores, clock: Arc<dyn Clock>) -> Test
             .expect("client"),
         ledger,
         handle,
-        join,
+        join: Some(join),
+    }
+}
+
+/// A test that ends without [`TestApp::stop`] (or panics) still stops its
+/// server: actix's workers run on threads of their own, outside the test's
+/// runtime, and would otherwise keep the app, and every pooled Postgres
+/// connection it holds, for the rest of the test process.
+impl Drop for TestApp {
+    fn drop(&mut self) {
+        // Sends the command at once; nothing waits for it.
+        drop(self.handle.stop(false));
     }
 }
 
 impl TestApp {
     /// Stops gracefully (flushing buffers) and waits for it.
-    pub async fn stop(self) {
+    pub async fn stop(mut self) {
         self.handle.stop(true).await;
-        let _ = self.join.await;
+        if let Some(join) = self.join.take() {
+            let _ = join.await;
+        }
     }
 
     pub fn url(&self, path: &str) -> String {

@@ -8,12 +8,41 @@ use std::fs::File;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
-const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
+/// Where Postgres's server programs (`initdb`, `pg_ctl`) are:
+/// `LEDGER_TEST_PG_BIN`, else `pg_config --bindir`, else the newest
+/// `/usr/lib/postgresql/*/bin` (Debian), else the `PATH`.
+fn pg_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let has_initdb = |d: &Path| d.join("initdb").exists();
+        if let Some(dir) = std::env::var_os("LEDGER_TEST_PG_BIN") {
+            return PathBuf::from(dir);
+        }
+        if let Ok(out) = Command::new("pg_config").arg("--bindir").output() {
+            let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+            if out.status.success() && has_initdb(&dir) {
+                return dir;
+            }
+        }
+        let mut debian: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let version = e.file_name().to_str()?.parse::<u32>().ok()?;
+                Some((version, e.path().join("bin")))
+            })
+            .filter(|(_, dir)| has_initdb(dir))
+            .collect();
+        debian.sort();
+        debian.pop().map(|(_, dir)| dir).unwrap_or_default()
+    })
+}
 
 /// A port that is free now, and whose cluster bus port (+10000) is free too.
 /// Taken below Linux's ephemeral range (32768 and up), so that no outgoing
@@ -302,6 +331,7 @@ impl Cluster {
 /// directory, run as the `postgres` OS user when we are root.
 pub struct PgProc {
     pub port: u16,
+    max_connections: u32,
     dir: TempDir,
 }
 
@@ -309,22 +339,27 @@ fn as_postgres(program: &str) -> Command {
     let root = run(Command::new("id").arg("-u")).trim() == "0";
     if root {
         let mut c = Command::new("runuser");
-        c.args(["-u", "postgres", "--"])
-            .arg(Path::new(PG_BIN).join(program));
+        c.args(["-u", "postgres", "--"]).arg(pg_bin().join(program));
         c
     } else {
-        Command::new(Path::new(PG_BIN).join(program))
+        Command::new(pg_bin().join(program))
     }
 }
 
 impl PgProc {
+    /// A private server for a fault test (which may stop or crash it).
     pub fn start() -> PgProc {
-        let dir = tempfile::tempdir().expect("tempdir");
+        PgProc::start_in(tempfile::tempdir().expect("tempdir"), 50)
+    }
+
+    /// initdb into `dir`, then start with room for `max_connections`.
+    pub(super) fn start_in(dir: TempDir, max_connections: u32) -> PgProc {
         let _ = run(Command::new("chown")
             .args(["-R", "postgres:postgres"])
             .arg(dir.path()));
         let pg = PgProc {
             port: free_port(),
+            max_connections,
             dir,
         };
         let out = run(as_postgres("initdb").arg("-D").arg(pg.data()).args([
@@ -335,13 +370,21 @@ impl PgProc {
             "-N",
             "--no-instructions",
         ]));
-        assert!(pg.data().join("PG_VERSION").exists(), "initdb: {out}");
+        assert!(
+            pg.data().join("PG_VERSION").exists(),
+            "initdb (from {}; set LEDGER_TEST_PG_BIN to the directory holding initdb and pg_ctl): {out}",
+            pg_bin().display()
+        );
         pg.start_again();
         pg
     }
 
     fn data(&self) -> PathBuf {
         self.dir.path().join("data")
+    }
+
+    pub(super) fn dir(&self) -> &Path {
+        self.dir.path()
     }
 
     /// `postgres://postgres@127.0.0.1:PORT`, for `Stores::postgres`.
@@ -354,9 +397,10 @@ impl PgProc {
         let opts = format!(
             // fsync off: a stop, even an immediate one, is no OS crash, and
             // the restart's recovery checkpoint is quick.
-            "-p {} -c listen_addresses=127.0.0.1 -k {} -c max_connections=50 -c fsync=off",
+            "-p {} -c listen_addresses=127.0.0.1 -k {} -c max_connections={} -c fsync=off",
             self.port,
-            self.dir.path().display()
+            self.dir.path().display(),
+            self.max_connections
         );
         let out = run(as_postgres("pg_ctl")
             .arg("-D")
@@ -369,13 +413,16 @@ impl PgProc {
 
     /// `pg_ctl stop -m immediate`: like a crash, no shutdown checkpoint.
     pub fn stop_immediate(&self) {
-        let _ = run(as_postgres("pg_ctl").arg("-D").arg(self.data()).args([
-            "-m",
-            "immediate",
-            "-w",
-            "stop",
-        ]));
+        stop_immediate(&self.data());
     }
+}
+
+/// `pg_ctl stop -m immediate` of the server on `data`, if one runs there.
+pub(super) fn stop_immediate(data: &Path) {
+    let _ = run(as_postgres("pg_ctl")
+        .arg("-D")
+        .arg(data)
+        .args(["-m", "immediate", "-w", "stop"]));
 }
 
 impl Drop for PgProc {

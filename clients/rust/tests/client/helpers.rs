@@ -28,6 +28,18 @@ type Stop = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>
 pub struct Ledger {
     pub url: String,
     stop: Option<Stop>,
+    /// Stops the server at once (see `Drop`).
+    stop_now: Box<dyn Fn() + Send + Sync>,
+}
+
+/// A test that ends without [`Ledger::stop`] (or panics) still stops its
+/// server: actix's workers run on threads of their own and would otherwise
+/// keep the ledger, and its pooled Postgres connections, for the rest of the
+/// test process (the machine's Postgres allows 100 connections).
+impl Drop for Ledger {
+    fn drop(&mut self) {
+        (self.stop_now)();
+    }
 }
 
 /// The service on a random port, with a fresh database and Redis prefix.
@@ -58,8 +70,13 @@ tokens.provisional_ttl = "1s"
     let url = format!("http://127.0.0.1:{}", app.port());
     let handle = app.handle();
     let join = tokio::spawn(app.run_until_stopped());
+    let now = handle.clone();
     Ledger {
         url,
+        stop_now: Box::new(move || {
+            // Sends the command at once; nothing waits for it.
+            drop(now.stop(false));
+        }),
         stop: Some(Box::new(move || {
             Box::pin(async move {
                 handle.stop(true).await;
