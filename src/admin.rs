@@ -1,7 +1,10 @@
 //! Audit queries shared by the HTTP admin routes and the `audit` CLI
 //! ([`Admin`]): what happened to one token or client key, pages of audit events (opaque
-//! keyset cursor over `(at, id)`, newest first) and the fleet-wide stats.
+//! keyset cursor over `(at, id)`, newest first), the fleet-wide stats and
+//! the recorded reconcile runs ([`runs`]).
 //! Reads the admin pool only; SQL lives in [`crate::durable::admin`].
+
+pub mod runs;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -22,7 +22,10 @@ pub enum Role {
     Service,
     /// The reconciliation cron.
     Reconciler,
-    /// Auditors and operators: every `/v1/admin` route, every biz type.
+    /// Auditors: every `/v1/admin` read (and any token or order read), no
+    /// call that changes state.
+    Auditor,
+    /// Operators: every `/v1/admin` route, every biz type.
     Admin,
 }
 
@@ -32,6 +35,7 @@ pub const DEV_KEY_HASHES: &[&str] = &[
     "ebfda70bbc453aff89524a3e9f56912ccd62717d44ec24b7f789f8615b1af98f",
     "4c5f5c594a86506b77d7ca70e3f03b99f0a5a50b06a5422cb57d0be719e60a0f",
     "df76ff796f70d2c9cb055ea6280553caa27eda26b70e01082c160de75a05a4a9",
+    "46151c35c1c09bca0b049ce55099e4f67fd04efe91716eec70fd1fa8ce898163",
 ];
 
 #[derive(Clone)]
@@ -67,6 +71,12 @@ impl Client {
 
     pub fn is_admin(&self) -> bool {
         self.role == Role::Admin
+    }
+
+    /// May this client read every client's tokens, keys and orders (admins
+    /// and auditors)? Reading never changes state.
+    pub fn reads_all(&self) -> bool {
+        matches!(self.role, Role::Admin | Role::Auditor)
     }
 }
 

@@ -191,10 +191,18 @@ pub enum AuditKind {
     OrderRefunded,
     OrderClosed,
     ReconcileRepaired,
+    /// A second decision for one generation of a token or key (two deciders
+    /// both answered `consumed`): kept, never dropped.
+    TokenConflict,
+    /// A consumed token whose processing lease ran out with neither result
+    /// nor release.
+    TokenUncertain,
+    /// The same for a client key.
+    KeyUncertain,
 }
 
 impl AuditKind {
-    pub const ALL: [AuditKind; 12] = [
+    pub const ALL: [AuditKind; 15] = [
         AuditKind::TokenIssued,
         AuditKind::TokenConsumed,
         AuditKind::TokenReleased,
@@ -207,6 +215,9 @@ impl AuditKind {
         AuditKind::OrderRefunded,
         AuditKind::OrderClosed,
         AuditKind::ReconcileRepaired,
+        AuditKind::TokenConflict,
+        AuditKind::TokenUncertain,
+        AuditKind::KeyUncertain,
     ];
 
     /// The label in SQL, JSON and on the command line.
@@ -224,6 +235,9 @@ impl AuditKind {
             AuditKind::OrderRefunded => "order.refunded",
             AuditKind::OrderClosed => "order.closed",
             AuditKind::ReconcileRepaired => "reconcile.repaired",
+            AuditKind::TokenConflict => "token.conflict",
+            AuditKind::TokenUncertain => "token.uncertain",
+            AuditKind::KeyUncertain => "key.uncertain",
         }
     }
 
@@ -304,8 +318,11 @@ mod tests {
             .map(|s| s.trim().trim_matches('\''))
             .collect();
         // Later migrations add labels with `ALTER TYPE ... ADD VALUE`.
-        let added = include_str!("../migrations/V6__client_keys.sql");
-        labels.extend(added.lines().filter_map(|l| {
+        let added = [
+            include_str!("../migrations/V6__client_keys.sql"),
+            include_str!("../migrations/V11__conflict_and_uncertain_kinds.sql"),
+        ];
+        labels.extend(added.iter().flat_map(|m| m.lines()).filter_map(|l| {
             l.strip_prefix("ALTER TYPE audit_kind ADD VALUE IF NOT EXISTS '")?
                 .strip_suffix("';")
         }));

@@ -92,9 +92,11 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .service(resource("/v1/admin/tokens/{token}").route(web::get().to(admin::token)))
         .service(resource("/v1/admin/keys").route(web::get().to(admin::key)))
         .service(resource("/v1/admin/tokens/{token}/release").route(web::post().to(admin::release)))
+        .service(resource("/v1/admin/keys/release").route(web::post().to(admin::release_key)))
         .service(resource("/v1/admin/audit").route(web::get().to(admin::audit)))
         .service(resource("/v1/admin/stats").route(web::get().to(admin::stats)))
         .service(resource("/v1/admin/reconcile").route(web::post().to(admin::run_reconcile)))
+        .service(resource("/v1/admin/reconcile/runs").route(web::get().to(admin::reconcile_runs)))
         .default_service(web::to(not_found));
 }
 

@@ -24,10 +24,15 @@
 //! - [`orders`]: orders and their events, each consuming its token through the
 //!   ledger in the order's transaction (`orders/batch.rs`: events on
 //!   different orders in one transaction, over the same group-commit queue).
+//! - [`fleet`]: the fleet's agreement on Redis: who may decide fast consumes
+//!   (reports, epochs, the gate and its lease).
+//! - [`changes`]: results and releases that waiting consumes (`wait_ms`)
+//!   wait for, across the fleet (Postgres `LISTEN`/`NOTIFY`).
 //! - [`journal`]: fast-type decisions drained from a Redis stream into Postgres.
 //! - [`writer`]: batched Postgres writes that may lag the answer.
 //! - [`metrics`]: Prometheus metrics and fleet-wide stats counters.
-//! - [`admin`]: audit queries (one token, event pages, stats) for HTTP and CLI.
+//! - [`admin`]: audit queries (one token, event pages, stats, recorded
+//!   reconcile runs) for HTTP and CLI.
 //! - [`reconcile`]: compares the tiers and repairs divergence, one run at a time
 //!   (`reconcile/`: `run`, one file per phase, `report`, `metrics`).
 //! - [`http`]: routes, extractors, errors, OpenAPI.
@@ -55,6 +60,7 @@
 pub mod admin;
 pub mod auth;
 pub mod bloom;
+pub mod changes;
 pub mod cli;
 pub mod config;
 pub mod domain;

@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::Admin;
 use crate::auth::Clients;
+use crate::changes::Changes;
 use crate::config::Settings;
 use crate::durable::usage::PoolUsage;
 use crate::durable::{setup, Pools};
@@ -83,6 +84,11 @@ impl Application {
         metrics
             .registry
             .register(Box::new(reconcile::last_run_metrics(pools.admin.clone())))
+            .and_then(|_| {
+                metrics
+                    .registry
+                    .register(Box::new(reconcile::conflict_metric(pools.admin.clone())))
+            })
             .context("registering the reconcile metrics")?;
         let fast = FastTier::new(settings.redis.clone(), metrics.clone(), clock.clone());
         // Cluster: a journal entry whose XADD failed goes to Postgres before
@@ -103,7 +109,7 @@ impl Application {
         fast.check_tls().await?;
         metrics
             .registry
-            .register(Box::new(journal::lag_metric(fast.clone())))
+            .register(Box::new(journal::lag_metric(&fast)))
             .context("registering the journal metrics")?;
         match fast.maxmemory_policy().await {
             Some(policy) if policy != "noeviction" => {
@@ -132,6 +138,7 @@ impl Application {
             clock.clone(),
             lease.clone(),
         );
+        let changes = Arc::new(Changes::new(pools.hot.clone()));
         let ledger = Arc::new(Ledger::new(
             settings.clone(),
             clock.clone(),
@@ -140,6 +147,7 @@ impl Application {
             pools.clone(),
             metrics.clone(),
             writer,
+            changes.clone(),
         ));
 
         let shutdown = CancellationToken::new();
@@ -156,6 +164,7 @@ impl Application {
             ),
             tokio::spawn(watch_redis(ledger.clone(), shutdown.clone())),
             tokio::spawn(prune_rate_limiters(ledger.clone(), shutdown.clone())),
+            tokio::spawn(changes.listen(shutdown.clone())),
         ];
         // The issued-token filter: listen, load, then keep listening. Start-up
         // waits for the first load (bounded): until then it fails open.

@@ -80,6 +80,28 @@ pub enum AuditCommand {
         #[arg(long, value_enum)]
         format: Option<TokenFormat>,
     },
+    /// One client key: its record and its audit events, as JSON (exit 1
+    /// when unknown).
+    Key {
+        /// The client the key belongs to (its `[[clients]]` name).
+        #[arg(long)]
+        client: String,
+        #[arg(long)]
+        biz_type: String,
+        /// The key.
+        key: String,
+    },
+    /// Past reconcile runs, newest first, each with its whole report, as
+    /// JSON (`GET /v1/admin/reconcile/runs`).
+    ReconcileRuns {
+        /// Runs per page, 1 to 100.
+        #[arg(long, default_value_t = admin::runs::DEFAULT_RUNS,
+              value_parser = clap::value_parser!(u32).range(1..=i64::from(admin::runs::MAX_RUNS)))]
+        limit: u32,
+        /// `next_cursor` of the previous page.
+        #[arg(long)]
+        cursor: Option<String>,
+    },
     /// Audit events, newest first.
     Events(EventsArgs),
 }
@@ -290,6 +312,41 @@ pub async fn audit(settings: &Settings, command: AuditCommand) -> ExitCode {
             }
             Err(e) => fail(e),
         },
+        AuditCommand::Key {
+            client,
+            biz_type,
+            key,
+        } => {
+            let parsed = crate::domain::BizType::parse(&biz_type)
+                .map_err(|e| e.to_string())
+                .and_then(|b| {
+                    crate::domain::key::ClientKey::parse(&key)
+                        .map(|k| (b, k))
+                        .map_err(|e| e.to_string())
+                });
+            match parsed {
+                Err(e) => {
+                    eprintln!("idempotency-ledger: {e}");
+                    ExitCode::from(2)
+                }
+                Ok((biz, key)) => match audit.key(&client, &biz, &key).await {
+                    Ok(view) => {
+                        println!("{}", json(&view));
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => fail(e),
+                },
+            }
+        }
+        AuditCommand::ReconcileRuns { limit, cursor } => {
+            match audit.reconcile_runs(limit, cursor.as_deref()).await {
+                Ok(page) => {
+                    println!("{}", json(&page));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(e),
+            }
+        }
         AuditCommand::Events(args) => events(&audit, args).await,
     };
     pools.close().await;

@@ -21,6 +21,7 @@ pub const KEY_PREFIX: &str = "ilk_";
 pub enum RoleArg {
     Service,
     Reconciler,
+    Auditor,
     Admin,
 }
 

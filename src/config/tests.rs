@@ -11,7 +11,7 @@ fn defaults_load() {
     let s = Settings::load_with_env(None, Vec::new()).expect("defaults are valid");
     assert_eq!(s.env, Environment::Development);
     assert_eq!(s.biz.len(), 3);
-    assert_eq!(s.clients.len(), 4);
+    assert_eq!(s.clients.len(), 5);
     assert!(!s.development_secrets_in_use().is_empty());
 }
 

@@ -177,8 +177,28 @@ pub async fn apply(pool: &PgPool, batch: &[Entry]) -> Result<u64, DurableError> 
              WHERE e.id IN (SELECT id FROM up)
                 OR EXISTS (SELECT 1 FROM tokens t WHERE t.id = e.id AND t.durability = 'fast')
             ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
+        ), conflict AS (
+            -- A consume of the generation Postgres already holds consumed by
+            -- another decision (another consumed_at or request_id): two
+            -- deciders both answered `consumed`. Kept as evidence, never
+            -- dropped (once per token and generation, so a retried entry
+            -- adds nothing).
+            INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, client, gen, detail)
+            SELECT e.at, 'token.conflict', e.id, CASE WHEN e.key IS NULL THEN e.token END,
+                   nullif(e.subject, ''), e.biz_type, e.client, e.gen,
+                   jsonb_strip_nulls(jsonb_build_object(
+                       'via', 'journal', 'request_id', e.request_id, 'consumed_at', e.consumed_at,
+                       'fingerprint', e.fingerprint,
+                       'kept_request_id', t.request_id, 'kept_consumed_at', t.consumed_at))
+                   || CASE WHEN e.key IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('key', e.key) END
+              FROM e JOIN tokens t ON t.id = e.id
+             WHERE e.kind IN ('token.consumed', 'key.consumed')
+               AND e.state = 'consumed' AND t.state = 'consumed' AND t.gen = e.gen
+               AND (t.consumed_at, t.request_id) IS DISTINCT FROM (e.consumed_at, e.request_id)
+            ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
+            RETURNING id
         )
-        SELECT count(*) FROM up
+        SELECT (SELECT count(*) FROM up) AS moved, (SELECT count(*) FROM conflict) AS conflicts
         "#,
     )
     .bind(&c.ids)

@@ -374,6 +374,8 @@ pub struct RunRecord {
     /// Counts by class name.
     pub found: serde_json::Value,
     pub repaired: serde_json::Value,
+    /// The whole report, as answered.
+    pub report: serde_json::Value,
 }
 
 impl RunRecord {
@@ -384,11 +386,13 @@ impl RunRecord {
 }
 
 /// Records a run (one row).
-pub async fn record_run(pool: &PgPool, run: &RunRecord) -> Result<(), DurableError> {
-    sqlx::query(
+/// Records a run; its id.
+pub async fn record_run(pool: &PgPool, run: &RunRecord) -> Result<i64, DurableError> {
+    let id: i64 = sqlx::query_scalar(
         "INSERT INTO reconcile_runs
-             (started_at, finished_at, dry_run, interrupted, errors, complete, found, repaired)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+             (started_at, finished_at, dry_run, interrupted, errors, complete, found, repaired, report)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+         RETURNING id",
     )
     .bind(run.started_at)
     .bind(run.finished_at)
@@ -398,9 +402,70 @@ pub async fn record_run(pool: &PgPool, run: &RunRecord) -> Result<(), DurableErr
     .bind(run.complete())
     .bind(&run.found)
     .bind(&run.repaired)
-    .execute(pool)
+    .bind(&run.report)
+    .fetch_one(pool)
     .await?;
-    Ok(())
+    Ok(id)
+}
+
+/// One recorded run, as [`runs`] reads it.
+#[derive(Debug, Clone)]
+pub struct RecordedRun {
+    pub id: i64,
+    pub started_at: DateTime<Utc>,
+    pub finished_at: DateTime<Utc>,
+    pub dry_run: bool,
+    pub interrupted: bool,
+    pub errors: serde_json::Value,
+    pub found: serde_json::Value,
+    pub repaired: serde_json::Value,
+    /// `None` for a run recorded before whole reports were kept.
+    pub report: Option<serde_json::Value>,
+}
+
+/// Recorded runs, newest first: at most `limit`, with ids below `before`.
+pub async fn runs(
+    pool: &PgPool,
+    limit: i64,
+    before: Option<i64>,
+) -> Result<Vec<RecordedRun>, DurableError> {
+    let rows = sqlx::query(
+        "SELECT id, started_at, finished_at, dry_run, interrupted, errors, found, repaired, report
+           FROM reconcile_runs
+          WHERE $2::bigint IS NULL OR id < $2
+          ORDER BY id DESC
+          LIMIT $1",
+    )
+    .bind(limit)
+    .bind(before)
+    .fetch_all(pool)
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(RecordedRun {
+                id: r.try_get("id")?,
+                started_at: r.try_get("started_at")?,
+                finished_at: r.try_get("finished_at")?,
+                dry_run: r.try_get("dry_run")?,
+                interrupted: r.try_get("interrupted")?,
+                errors: r.try_get("errors")?,
+                found: r.try_get("found")?,
+                repaired: r.try_get("repaired")?,
+                report: r.try_get("report")?,
+            })
+        })
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(DurableError::from)
+}
+
+/// How many `token.conflict` events the audit trail holds (one indexed
+/// count: `audit_kind_idx`).
+pub async fn conflicts(pool: &PgPool) -> Result<i64, DurableError> {
+    Ok(
+        sqlx::query_scalar("SELECT count(*) FROM audit_events WHERE kind = 'token.conflict'")
+            .fetch_one(pool)
+            .await?,
+    )
 }
 
 /// The finish time and findings (by class name) of the last complete run.

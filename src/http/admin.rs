@@ -66,8 +66,31 @@ fn authorize(req: &HttpRequest, allowed: &[Role]) -> Result<Client, ApiError> {
         Ok(client)
     } else {
         Err(ApiError::forbidden(
-            "this route needs the admin role (reconcile: admin or reconciler)",
+            "this route needs the admin role (reads: admin or auditor; reconcile: admin or reconciler)",
         ))
+    }
+}
+
+/// A caller with the admin or auditor role, for the admin reads (401, then
+/// 403). Each read is logged with the client and what it read.
+#[derive(Debug)]
+pub struct ReaderCaller(pub Client);
+
+impl FromRequest for ReaderCaller {
+    type Error = ApiError;
+    type Future = std::future::Ready<Result<ReaderCaller, ApiError>>;
+    fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
+        let caller = authorize(req, &[Role::Admin, Role::Auditor]);
+        if let Ok(client) = &caller {
+            tracing::info!(
+                client = %client.name,
+                role = ?client.role,
+                route = req.match_pattern().as_deref().unwrap_or(""),
+                query = req.query_string(),
+                "admin read"
+            );
+        }
+        std::future::ready(caller.map(ReaderCaller))
     }
 }
 
@@ -103,12 +126,12 @@ impl FromRequest for ReconcilerCaller {
         (status = 200, description = "The token", body = admin::TokenView),
         (status = 400, description = "token_invalid", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
-        (status = 403, description = "forbidden: not an admin", body = super::ErrorBody),
+        (status = 403, description = "forbidden: not an admin (reads: admin or auditor)", body = super::ErrorBody),
         (status = 404, description = "token_not_found: a valid token this fleet has no record of", body = super::ErrorBody),
     ))]
 pub async fn token(
     state: web::Data<AppState>,
-    AdminCaller(_): AdminCaller,
+    ReaderCaller(_): ReaderCaller,
     token: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let text = path_token(&token)?;
@@ -135,12 +158,12 @@ pub struct KeyParams {
         (status = 200, description = "The key", body = admin::KeyView),
         (status = 400, description = "invalid_request", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
-        (status = 403, description = "forbidden: not an admin", body = super::ErrorBody),
+        (status = 403, description = "forbidden: not an admin (reads: admin or auditor)", body = super::ErrorBody),
         (status = 404, description = "key_not_found: no record nor audit event of this key", body = super::ErrorBody),
     ))]
 pub async fn key(
     state: web::Data<AppState>,
-    AdminCaller(_): AdminCaller,
+    ReaderCaller(_): ReaderCaller,
     query: Result<web::Query<KeyParams>, actix_web::Error>,
 ) -> Result<HttpResponse, ApiError> {
     let query = query.map_err(|_| {
@@ -175,7 +198,8 @@ impl BodyLimit for AdminReleaseRequest {}
 /// Free a token stuck in `processing` (its consumer died before recording a
 /// result or releasing it): a consumed token with no result and no order
 /// event returns to unconsumed, whichever client it belongs to. Audited as
-/// `token.released` with `detail.by = "admin"` and the reason.
+/// `token.released` with `detail.by` = the acting client's name and the
+/// reason.
 #[utoipa::path(post, path = "/v1/admin/tokens/{token}/release", tag = "admin",
     request_body = AdminReleaseRequest,
     params(("token" = String, Path, description = "The token text")),
@@ -183,7 +207,7 @@ impl BodyLimit for AdminReleaseRequest {}
     responses(
         (status = 200, description = "released", body = super::tokens::OutcomeResponse),
         (status = 400, description = "invalid_request (no reason, or one beyond 500 characters), token_invalid", body = super::ErrorBody),
-        (status = 403, description = "forbidden: not an admin", body = super::ErrorBody),
+        (status = 403, description = "forbidden: not an admin (an auditor only reads)", body = super::ErrorBody),
         (status = 409, description = "not_releasable: not consumed, or it has a result or an order event", body = super::ErrorBody),
         (status = 422, description = "unknown_biz_type", body = super::ErrorBody),
         (status = 503, description = "unavailable: the deciding tier cannot be reached, nothing changed (with Retry-After)", body = super::ErrorBody),
@@ -201,6 +225,69 @@ pub async fn release(
         .release_by_admin(&caller, text, &reason)
         .await?;
     tracing::info!(client = %caller.name, reason = reason.as_str(), "token released by an operator");
+    Ok(HttpResponse::Ok().json(super::tokens::OutcomeResponse {
+        outcome: "released",
+    }))
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AdminKeyReleaseRequest {
+    /// The client the key belongs to (its `[[clients]]` name).
+    #[schema(example = "payments")]
+    pub client: String,
+    #[schema(example = "order")]
+    pub biz_type: String,
+    #[schema(example = "checkout-7f3a")]
+    pub key: String,
+    /// Why (1 to 500 characters, not only white space): kept in the audit
+    /// event's `detail.reason`.
+    #[schema(
+        example = "consumer crashed before recording a result; INC-1042",
+        min_length = 1,
+        max_length = 500
+    )]
+    pub reason: String,
+}
+impl BodyLimit for AdminKeyReleaseRequest {}
+
+/// Free a client key stuck in `processing`: the rule of a client's release
+/// (a consumed key with no result returns to unconsumed), for any client's
+/// key. Audited as `key.released` with `detail.by` = the acting client's
+/// name and the reason.
+#[utoipa::path(post, path = "/v1/admin/keys/release", tag = "admin",
+    request_body = AdminKeyReleaseRequest,
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "released", body = super::tokens::OutcomeResponse),
+        (status = 400, description = "invalid_request (a field missing or out of range, no reason)", body = super::ErrorBody),
+        (status = 401, description = "unauthorized", body = super::ErrorBody),
+        (status = 403, description = "forbidden: not an admin (an auditor only reads)", body = super::ErrorBody),
+        (status = 409, description = "not_releasable: not consumed, or it has a result", body = super::ErrorBody),
+        (status = 422, description = "unknown_biz_type", body = super::ErrorBody),
+        (status = 503, description = "unavailable: the deciding tier cannot be reached, nothing changed (with Retry-After)", body = super::ErrorBody),
+    ))]
+pub async fn release_key(
+    state: web::Data<AppState>,
+    AdminCaller(caller): AdminCaller,
+    JsonBody(body): JsonBody<AdminKeyReleaseRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let reason = Reason::parse(&body.reason).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let owner = body.client.trim();
+    if owner.is_empty() || owner.len() > 64 {
+        return Err(ApiError::invalid(
+            "`client` must be a client's name (1 to 64 characters)",
+        ));
+    }
+    let biz = crate::domain::BizType::parse(&body.biz_type)
+        .map_err(|e| ApiError::invalid(e.to_string()))?;
+    let key = crate::domain::key::ClientKey::parse(&body.key)
+        .map_err(|e| ApiError::invalid(e.to_string()))?;
+    state
+        .ledger
+        .release_key_by_admin(&caller, owner, &biz, &key, &reason)
+        .await?;
+    tracing::info!(client = %caller.name, owner, reason = reason.as_str(), "client key released by an operator");
     Ok(HttpResponse::Ok().json(super::tokens::OutcomeResponse {
         outcome: "released",
     }))
@@ -277,11 +364,11 @@ impl AuditParams {
         (status = 200, description = "One page; `next_cursor` is null at the end", body = admin::AuditPage),
         (status = 400, description = "invalid_request (bad filter, limit beyond 1000), invalid_cursor", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
-        (status = 403, description = "forbidden: not an admin", body = super::ErrorBody),
+        (status = 403, description = "forbidden: not an admin (reads: admin or auditor)", body = super::ErrorBody),
     ))]
 pub async fn audit(
     state: web::Data<AppState>,
-    AdminCaller(_): AdminCaller,
+    ReaderCaller(_): ReaderCaller,
     query: Result<web::Query<AuditParams>, actix_web::Error>,
 ) -> Result<HttpResponse, ApiError> {
     let query = query.map_err(|e| ApiError::invalid(format!("bad query: {e}")))?;
@@ -305,17 +392,62 @@ pub struct StatsParams {
         (status = 200, description = "Counters per biz type", body = admin::Stats),
         (status = 400, description = "invalid_request: bad window", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
-        (status = 403, description = "forbidden: not an admin", body = super::ErrorBody),
+        (status = 403, description = "forbidden: not an admin (reads: admin or auditor)", body = super::ErrorBody),
     ))]
 pub async fn stats(
     state: web::Data<AppState>,
-    AdminCaller(_): AdminCaller,
+    ReaderCaller(_): ReaderCaller,
     query: Result<web::Query<StatsParams>, actix_web::Error>,
 ) -> Result<HttpResponse, ApiError> {
     let query = query.map_err(|e| ApiError::invalid(format!("bad query: {e}")))?;
     let window = Window::parse(query.window.as_deref().unwrap_or("1h"))?;
     let stats = state.admin.stats(&window, state.ledger.mode()).await?;
     Ok(HttpResponse::Ok().json(stats))
+}
+
+/// Query of `GET /v1/admin/reconcile/runs`; empty values count as absent.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct RunsParams {
+    /// 1 to 100; default 20.
+    #[param(value_type = Option<u32>, minimum = 1, maximum = 100)]
+    pub limit: Option<String>,
+    /// `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+}
+
+/// Past reconcile runs, newest first: each run's whole report with its `id`
+/// and the ids of the orders it found inconsistent.
+#[utoipa::path(get, path = "/v1/admin/reconcile/runs", tag = "admin", params(RunsParams),
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "One page; `next_cursor` is null at the end", body = crate::admin::runs::RunsPage),
+        (status = 400, description = "invalid_request (limit beyond 100), invalid_cursor", body = super::ErrorBody),
+        (status = 401, description = "unauthorized", body = super::ErrorBody),
+        (status = 403, description = "forbidden: not an admin or auditor", body = super::ErrorBody),
+        (status = 503, description = "unavailable: Postgres cannot be reached (with Retry-After)", body = super::ErrorBody),
+    ))]
+pub async fn reconcile_runs(
+    state: web::Data<AppState>,
+    ReaderCaller(_): ReaderCaller,
+    query: Result<web::Query<RunsParams>, actix_web::Error>,
+) -> Result<HttpResponse, ApiError> {
+    let query = query.map_err(|e| ApiError::invalid(format!("bad query: {e}")))?;
+    let limit = match present(&query.limit) {
+        None => crate::admin::runs::DEFAULT_RUNS,
+        Some(s) => s.parse().map_err(|_| {
+            ApiError::invalid(format!(
+                "`limit` must be between 1 and {}",
+                crate::admin::runs::MAX_RUNS
+            ))
+        })?,
+    };
+    let page = state
+        .admin
+        .reconcile_runs(limit, present(&query.cursor).as_deref())
+        .await?;
+    Ok(HttpResponse::Ok().json(page))
 }
 
 #[derive(Debug, Default, Deserialize, ToSchema)]

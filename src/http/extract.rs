@@ -62,6 +62,18 @@ fn authenticate(req: &HttpRequest) -> Result<Caller, ApiError> {
             ),
         ));
     }
+    // An auditor reads and never writes: every call that could change state
+    // (anything but GET and HEAD) is refused here, whatever its route.
+    if client.role == crate::auth::Role::Auditor
+        && !matches!(
+            *req.method(),
+            actix_web::http::Method::GET | actix_web::http::Method::HEAD
+        )
+    {
+        return Err(ApiError::forbidden(
+            "the auditor role reads only: this call changes state",
+        ));
+    }
     Ok(Caller(client.clone()))
 }
 

@@ -47,6 +47,10 @@ pub struct KeyConsumeRequest {
     /// This attempt's id: a retry with the winner's id answers `consumed` again.
     #[schema(example = "req-7f3a")]
     pub request_id: Option<String>,
+    /// 0 to 10000 (default 0): a consume that would answer `duplicate` /
+    /// `processing` waits this long for the winner's result or release.
+    #[schema(example = 2000, minimum = 0, maximum = 10000)]
+    pub wait_ms: Option<u64>,
 }
 impl BodyLimit for KeyConsumeRequest {}
 
@@ -152,7 +156,11 @@ pub async fn consume(
     JsonBody(body): JsonBody<KeyConsumeRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let input = body.parse()?;
-    let answer = state.ledger.consume_key(&caller, &input).await?;
+    let wait = super::tokens::wait_of(body.wait_ms)?;
+    let answer = state
+        .ledger
+        .consume_key_waiting(&caller, &input, wait)
+        .await?;
     Ok(consume_response(input.key.as_str(), answer))
 }
 

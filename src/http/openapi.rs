@@ -19,14 +19,14 @@ use super::{admin, keys, ops, orders, tokens, ErrorBody};
         tokens::state,
         orders::create, orders::get, orders::pay, orders::refund, orders::close,
         ops::healthz, ops::readyz, ops::metrics, ops::openapi,
-        admin::token, admin::key, admin::release, admin::audit, admin::stats, admin::run_reconcile,
+        admin::token, admin::key, admin::release, admin::release_key, admin::audit, admin::stats, admin::run_reconcile, admin::reconcile_runs,
     ),
     components(schemas(
         ErrorBody, crate::domain::TokenStatus, crate::domain::AuditKind,
         crate::domain::order::OrderState, crate::health::Mode, crate::ledger::AnswerOutcome,
         crate::ledger::DuplicateStatus, tokens::IssueRequest, tokens::IssueResponse, tokens::GenerateResponse,
         tokens::ConsumeRequest, tokens::ConsumeResponse, tokens::ResultRequest, tokens::ReleaseRequest,
-        tokens::OutcomeResponse, tokens::TokenStateResponse, admin::AdminReleaseRequest,
+        tokens::OutcomeResponse, tokens::TokenStateResponse, admin::AdminReleaseRequest, admin::AdminKeyReleaseRequest,
         ops::Readiness, ops::FleetReadiness, crate::fleet::FleetState,
         keys::KeyConsumeRequest, keys::KeyConsumeResponse, keys::KeyResultRequest,
         keys::KeyReleaseRequest, keys::KeyStateResponse,
@@ -35,7 +35,7 @@ use super::{admin, keys, ops, orders, tokens, ErrorBody};
         crate::admin::TokenView, crate::admin::KeyView, crate::admin::AuditEvent, crate::admin::AuditPage,
         crate::admin::Stats, crate::admin::BizStats, admin::ReconcileRequest,
         crate::reconcile::Report, crate::reconcile::Classes, crate::reconcile::Scanned,
-        crate::reconcile::InconsistentOrder,
+        crate::reconcile::InconsistentOrder, crate::admin::runs::RunsPage,
     )),
     modifiers(&BearerAuth, &Common),
     tags(
@@ -43,7 +43,7 @@ use super::{admin, keys, ops, orders, tokens, ErrorBody};
         (name = "keys", description = "Client-supplied keys (the Idempotency-Key model): the same ledger for a key the caller already holds; a key belongs to (client, biz type)"),
         (name = "orders", description = "The payment state machine: CREATED -> PAID -> PARTIALLY_REFUNDED -> REFUNDED, CREATED -> CLOSED"),
         (name = "operations", description = "Health, readiness, metrics"),
-        (name = "admin", description = "Audit, stats and reconciliation (role admin; reconcile: admin or reconciler)"),
+        (name = "admin", description = "Audit, stats and reconciliation (role admin; reads: admin or auditor; reconcile: admin or reconciler)"),
     )
 )]
 pub struct ApiDoc;

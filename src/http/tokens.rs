@@ -154,8 +154,25 @@ pub struct ConsumeRequest {
     /// This attempt's id: a retry with the winner's id answers `consumed` again.
     #[schema(example = "req-7f3a")]
     pub request_id: Option<String>,
+    /// 0 to 10000 (default 0): a consume that would answer `duplicate` /
+    /// `processing` waits this long for the winner's result (then
+    /// `completed`) or release (then it may consume).
+    #[schema(example = 2000, minimum = 0, maximum = 10000)]
+    pub wait_ms: Option<u64>,
 }
 impl BodyLimit for ConsumeRequest {}
+
+/// `wait_ms` of a consume, checked (0 to 10000).
+pub fn wait_of(wait_ms: Option<u64>) -> Result<std::time::Duration, ApiError> {
+    let max = crate::ledger::MAX_WAIT.as_millis() as u64;
+    match wait_ms {
+        None => Ok(std::time::Duration::ZERO),
+        Some(ms) if ms <= max => Ok(std::time::Duration::from_millis(ms)),
+        Some(_) => Err(ApiError::invalid(format!(
+            "`wait_ms` must be between 0 and {max}"
+        ))),
+    }
+}
 
 impl ConsumeRequest {
     pub fn parse(&self) -> Result<ConsumeInput, ApiError> {
@@ -261,8 +278,12 @@ pub async fn consume(
     JsonBody(body): JsonBody<ConsumeRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let input = body.parse()?;
+    let wait = wait_of(body.wait_ms)?;
     let token = path_token(&token)?;
-    let answer = state.ledger.consume(&caller, token, &input).await?;
+    let answer = state
+        .ledger
+        .consume_waiting(&caller, token, &input, wait)
+        .await?;
     Ok(consume_response(token, answer))
 }
 
@@ -422,7 +443,7 @@ pub async fn state(
     let query = query.map_err(|_| ApiError::invalid("the query takes only `subject`"))?;
     let subject = match query.subject.as_deref() {
         Some(s) => Some(parse(Subject::parse(s))?),
-        None if caller.is_admin() => None,
+        None if caller.reads_all() => None,
         None => return Err(ApiError::invalid("`subject` is required")),
     };
     let token = path_token(&token)?;

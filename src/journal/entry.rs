@@ -117,10 +117,15 @@ pub fn release_fields_for(rec: &TokenRecord) -> Vec<(&'static str, String)> {
 }
 
 /// The journal fields of a fast-type release by an operator: the release's
-/// with who (`admin`) and why, which its audit row's detail records.
-pub fn admin_release_fields_for(rec: &TokenRecord, reason: &str) -> Vec<(&'static str, String)> {
+/// with who (the acting client's name) and why, which its audit row's detail
+/// records.
+pub fn admin_release_fields_for(
+    rec: &TokenRecord,
+    by: &str,
+    reason: &str,
+) -> Vec<(&'static str, String)> {
     let mut fields = release_fields_for(rec);
-    fields.push((BY, "admin".to_owned()));
+    fields.push((BY, by.to_owned()));
     fields.push((REASON, reason.to_owned()));
     fields
 }
@@ -546,13 +551,13 @@ mod tests {
             other => panic!("{other:?}"),
         }
         // An operator's release says who and why.
-        let fields = admin_release_fields_for(&rec, "consumer died; OPS-7");
+        let fields = admin_release_fields_for(&rec, "ops-alice", "consumer died; OPS-7");
         match parse(&entry_with(&fields, &added)) {
             Entry::Versioned(v) => {
                 assert_eq!((v.kind, v.version.gen), (EntryKind::Release, 4));
                 assert_eq!(
                     v.detail,
-                    Some(serde_json::json!({"by": "admin", "reason": "consumer died; OPS-7"}))
+                    Some(serde_json::json!({"by": "ops-alice", "reason": "consumer died; OPS-7"}))
                 );
             }
             other => panic!("{other:?}"),

@@ -28,7 +28,7 @@ use super::{ConsumeAnswer, ConsumeOutcome, Ledger, LedgerError, ResultAnswer};
 use crate::auth::Client;
 use crate::config::Durability;
 use crate::domain::key::{identity, ClientKey};
-use crate::domain::{BizType, Fingerprint, RequestId, Subject};
+use crate::domain::{BizType, Fingerprint, Reason, RequestId, Subject};
 use crate::durable::keys::{self as sql, KeyState};
 use crate::durable::timed;
 use crate::durable::tokens::{ConsumeRow, TokenRecord, TokenState};
@@ -65,26 +65,39 @@ impl Ledger {
         subject: &str,
     ) -> Result<Held, LedgerError> {
         let settings = self.biz_settings_for(caller, biz)?;
-        let id = identity(&caller.name, biz, key);
+        Ok(self.held_key_of(&caller.name, settings.durability, biz, key, subject))
+    }
+
+    /// The key `key` of client `owner` under `biz` (a biz type known to be
+    /// of `durability`).
+    fn held_key_of(
+        &self,
+        owner: &str,
+        durability: Durability,
+        biz: &BizType,
+        key: &ClientKey,
+        subject: &str,
+    ) -> Held {
+        let id = identity(owner, biz, key);
         let now = self.clock.now();
-        Ok(Held {
+        Held {
             handle: id.handle.clone(),
             record: TokenRecord {
                 id: id.id,
                 token: id.handle,
                 biz_type: biz.to_string(),
-                durability: settings.durability,
+                durability,
                 subject: subject.to_owned(),
-                client: caller.name.clone(),
+                client: owner.to_owned(),
                 issued_at: now,
                 expires_at: now,
                 key: Some(key.as_str().to_owned()),
             },
-            durability: settings.durability,
+            durability,
             // A released key's issued state (and generation) stays in Redis
             // as long as a consumed marker would.
             issued_until_ms: self.clock.now_ms() + self.fast.consumed_ttl_ms(),
-        })
+        }
     }
 
     /// Consumes a key: the first consume creates it and answers `consumed`.
@@ -344,6 +357,27 @@ impl Ledger {
     ) -> Result<(), LedgerError> {
         let held = self.held_key(caller, biz, key, "")?;
         self.release_of(&held).await
+    }
+
+    /// An operator frees client `owner`'s key stuck in `processing`: the
+    /// rule of a client's release, audited as `key.released` with
+    /// `{"by": <the acting client's name>, "reason": ...}`.
+    #[tracing::instrument(level = "debug", skip_all, fields(client = %caller.name))]
+    pub async fn release_key_by_admin(
+        &self,
+        caller: &Client,
+        owner: &str,
+        biz: &BizType,
+        key: &ClientKey,
+        reason: &Reason,
+    ) -> Result<(), LedgerError> {
+        let settings = self.biz_settings_for(caller, biz)?;
+        let held = self.held_key_of(owner, settings.durability, biz, key, "");
+        let fields = (held.durability == Durability::Fast).then(|| {
+            journal::admin_release_fields_for(&held.record, &caller.name, reason.as_str())
+        });
+        let detail = serde_json::json!({"by": caller.name, "reason": reason.as_str()});
+        self.release_held(&held, fields, Some(&detail)).await
     }
 
     /// A key's state (`None`: no consume of it is known, or it was purged).

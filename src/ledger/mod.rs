@@ -53,6 +53,8 @@ mod orders;
 mod read;
 mod result;
 mod settle;
+mod wait;
+pub use wait::MAX_WAIT;
 
 pub use crate::durable::keys::KeyState;
 pub use api::{

@@ -13,7 +13,7 @@
 use chrono::{DateTime, Utc};
 use serde_json::Value as Json;
 
-use super::core::{ms_to_time, Tally};
+use super::core::ms_to_time;
 use super::{Ledger, LedgerError, TokenReading};
 use crate::auth::Client;
 use crate::config::Durability;
@@ -25,8 +25,8 @@ use crate::token::VerifiedToken;
 
 impl Ledger {
     /// Reads a token's state for `caller`: the client it was issued to, with
-    /// the subject it is bound to (`subject`), or an admin (whose `subject`,
-    /// if any, is not checked: an admin reads every token). The token
+    /// the subject it is bound to (`subject`), or an admin or auditor (whose
+    /// `subject`, if any, is not checked: they read every token). The token
     /// checks are those of a consume: `TokenInvalid`, `UnknownBizType`,
     /// `Forbidden`, `TokenMismatch`; a token past its expiry is no error
     /// but the state `expired`.
@@ -37,8 +37,8 @@ impl Ledger {
         text: &str,
         subject: Option<&Subject>,
     ) -> Result<TokenReading, LedgerError> {
-        let (token, settings) = self.authorize_unbound_as(caller, text, Tally::Quiet)?;
-        if !caller.is_admin() {
+        let (token, settings) = self.authorize_read_as(caller, text)?;
+        if !caller.reads_all() {
             let Some(subject) = subject else {
                 return Err(LedgerError::InvalidRequest(
                     "`subject` is required: the user the token was issued to".into(),

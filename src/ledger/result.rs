@@ -74,6 +74,19 @@ impl Ledger {
         held: &Held,
         result: &Json,
     ) -> Result<ResultAnswer, LedgerError> {
+        let answer = self.record_result_in_tiers(held, result).await;
+        if matches!(answer, Ok(ResultAnswer::Recorded)) {
+            // Waiting consumes of it answer `completed` now.
+            self.changes.changed(held.record.id);
+        }
+        answer
+    }
+
+    async fn record_result_in_tiers(
+        &self,
+        held: &Held,
+        result: &Json,
+    ) -> Result<ResultAnswer, LedgerError> {
         let id = held.record.id;
         let encoded = result.to_string();
         // Set when Postgres decides a fast type's result because the fleet
@@ -209,7 +222,7 @@ impl Ledger {
     /// An operator frees a token stuck in `processing` (its consumer died
     /// before recording a result or releasing it): the rule of a client's
     /// release, for any client's token, audited as `token.released` with
-    /// `{"by": "admin", "reason": ...}`. A refused token is not counted as
+    /// `{"by": <the acting client's name>, "reason": ...}`. A refused token is not counted as
     /// a consume attempt.
     #[tracing::instrument(level = "debug", skip_all, fields(client = %caller.name))]
     pub async fn release_by_admin(
@@ -222,7 +235,8 @@ impl Ledger {
         let (record, fields) = match settings.durability {
             Durability::Fast => {
                 let record = self.recorded_owner(&token).await?;
-                let fields = journal::admin_release_fields_for(&record, reason.as_str());
+                let fields =
+                    journal::admin_release_fields_for(&record, &caller.name, reason.as_str());
                 (record, Some(fields))
             }
             // Postgres decides and knows the owner: the record's id is all
@@ -235,7 +249,7 @@ impl Ledger {
             durability: settings.durability,
             issued_until_ms: token.claims.expires_at_ms(),
         };
-        let detail = serde_json::json!({"by": "admin", "reason": reason.as_str()});
+        let detail = serde_json::json!({"by": caller.name, "reason": reason.as_str()});
         self.release_held(&held, fields, Some(&detail)).await
     }
 
@@ -314,7 +328,21 @@ impl Ledger {
     /// by default the release of the held record) carries the release to
     /// Postgres; when Redis does not hold it, Postgres decides. Durable
     /// types: Postgres decides. `detail` goes into the audit row.
-    async fn release_held(
+    pub(super) async fn release_held(
+        &self,
+        held: &Held,
+        fields: Option<Vec<(&'static str, String)>>,
+        detail: Option<&Json>,
+    ) -> Result<(), LedgerError> {
+        let released = self.release_in_tiers(held, fields, detail).await;
+        if released.is_ok() {
+            // Waiting consumes of it may consume it now.
+            self.changes.changed(held.record.id);
+        }
+        released
+    }
+
+    async fn release_in_tiers(
         &self,
         held: &Held,
         fields: Option<Vec<(&'static str, String)>>,

@@ -154,6 +154,23 @@ impl Run<'_> {
                 }) else {
                     return Ok(None);
                 };
+                // A marker of the same or a newer generation than Postgres's
+                // issued state records a consume Postgres does not know (it
+                // was restored to an earlier point): evidence, kept for a
+                // human, never turned back to live.
+                if key.gen() >= t.gen {
+                    self.found.add(Class::RedisAheadOfPostgres, 1);
+                    if self.ahead.len() < super::report::MAX_LISTED {
+                        self.ahead.push(text.to_owned());
+                    }
+                    tracing::warn!(
+                        token = %crate::token::codec::redact(text),
+                        redis_gen = key.gen(),
+                        postgres_gen = t.gen,
+                        "reconcile: redis holds a consume postgres does not know; kept"
+                    );
+                    return Ok(None);
+                }
                 self.found.add(Class::RedisConsumedButLive, 1);
                 if self.opts.dry_run
                     || !self

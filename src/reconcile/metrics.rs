@@ -72,3 +72,31 @@ async fn refresh_last_run(
     }
     Ok(())
 }
+
+/// `ledger_token_conflicts`: how many second decisions of one generation
+/// (`token.conflict` audit events: two deciders both answered `consumed`)
+/// Postgres has recorded, fleet-wide, read when scraped. Anything above 0
+/// is a violation of exactly-once to investigate (alert
+/// `LedgerTokenConflict`).
+pub fn conflict_metric(pool: PgPool) -> OnScrape {
+    // A static, valid definition.
+    let conflicts = prometheus::IntGauge::new(
+        "ledger_token_conflicts",
+        "token.conflict audit events recorded in Postgres (a second consume decision for one generation of a token or key); anything above 0 needs a human.",
+    )
+    .expect("valid metric");
+    let g = conflicts.clone();
+    OnScrape::new(
+        vec![Box::new(conflicts)],
+        LAST_RUN_REFRESH,
+        Arc::new(move || {
+            let (pool, g) = (pool.clone(), g.clone());
+            Box::pin(async move {
+                match sql::conflicts(&pool).await {
+                    Ok(n) => g.set(n),
+                    Err(e) => tracing::debug!(error = %e, "conflicts not counted"),
+                }
+            })
+        }),
+    )
+}

@@ -55,7 +55,7 @@ use crate::fast::FastTier;
 use crate::token::{Clock, TokenCodec};
 
 pub use crate::durable::reconcile::LOCK_KEY;
-pub use metrics::{last_run_metrics, LAST_RUN_REFRESH};
+pub use metrics::{conflict_metric, last_run_metrics, LAST_RUN_REFRESH};
 pub use report::{
     Class, Classes, InconsistentOrder, LogProgress, Phase, Progress, Quiet, Report, Scanned,
 };

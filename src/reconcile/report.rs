@@ -33,11 +33,16 @@ pub enum Class {
     /// release lost in a failover, a write-back that lost a race): the
     /// marker gives way to the issued state.
     RedisConsumedButLive,
+    /// A consumed marker in Redis of the same or a newer generation than
+    /// the issued state Postgres holds (after a Postgres restore to an
+    /// earlier point, say): evidence of a consume Postgres lost. Reported
+    /// with its token and kept, never repaired.
+    RedisAheadOfPostgres,
 }
 
 impl Class {
     /// In the order of the report.
-    pub const ALL: [Class; 7] = [
+    pub const ALL: [Class; 8] = [
         Class::RedisLiveButConsumed,
         Class::RedisMissingButLive,
         Class::StaleProvisional,
@@ -45,6 +50,7 @@ impl Class {
         Class::OrderInconsistent,
         Class::ExpiredPurgeable,
         Class::RedisConsumedButLive,
+        Class::RedisAheadOfPostgres,
     ];
 
     /// The report key, the text's row name and the audit detail's `class`.
@@ -57,6 +63,7 @@ impl Class {
             Class::OrderInconsistent => "order_inconsistent",
             Class::ExpiredPurgeable => "expired_purgeable",
             Class::RedisConsumedButLive => "redis_consumed_but_live",
+            Class::RedisAheadOfPostgres => "redis_ahead_of_postgres",
         }
     }
 
@@ -69,6 +76,7 @@ impl Class {
             Class::OrderInconsistent => 4,
             Class::ExpiredPurgeable => 5,
             Class::RedisConsumedButLive => 6,
+            Class::RedisAheadOfPostgres => 7,
         }
     }
 }
@@ -191,10 +199,16 @@ pub struct InconsistentOrder {
     pub problems: Vec<String>,
 }
 
+/// How many items of one kind a report lists by name.
+pub const MAX_LISTED: usize = 1000;
+
 /// The report of API.md, plus the inconsistent orders, whether the run was
 /// interrupted, and the errors that stopped a phase.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct Report {
+    /// The run's id in the recorded runs (`GET /v1/admin/reconcile/runs`);
+    /// null when it could not be recorded.
+    pub id: Option<String>,
     pub started_at: String,
     pub finished_at: String,
     pub dry_run: bool,
@@ -203,6 +217,9 @@ pub struct Report {
     pub repaired: Classes,
     /// The orders counted in `found.order_inconsistent`.
     pub inconsistent_orders: Vec<InconsistentOrder>,
+    /// The tokens (or client keys' handles) counted in
+    /// `found.redis_ahead_of_postgres`, at most [`MAX_LISTED`]: for a human.
+    pub redis_ahead_of_postgres: Vec<String>,
     /// Stopped early (cancelled); rerun to finish.
     pub interrupted: bool,
     /// Phases that could not finish (e.g. Redis unreachable); the others ran.
@@ -239,6 +256,14 @@ impl Report {
             ));
         }
         if !self.inconsistent_orders.is_empty() {
+            out.push('\n');
+        }
+        for t in &self.redis_ahead_of_postgres {
+            out.push_str(&format!(
+                "\nredis ahead of postgres (kept as evidence): {t}"
+            ));
+        }
+        if !self.redis_ahead_of_postgres.is_empty() {
             out.push('\n');
         }
         if self.interrupted {
@@ -314,7 +339,7 @@ mod tests {
         let json = serde_json::to_string(&c).unwrap();
         assert_eq!(
             json,
-            r#"{"redis_live_but_consumed":0,"redis_missing_but_live":0,"stale_provisional":2,"journal_not_durable":0,"order_inconsistent":0,"expired_purgeable":5,"redis_consumed_but_live":0}"#
+            r#"{"redis_live_but_consumed":0,"redis_missing_but_live":0,"stale_provisional":2,"journal_not_durable":0,"order_inconsistent":0,"expired_purgeable":5,"redis_consumed_but_live":0,"redis_ahead_of_postgres":0}"#
         );
         let indexes: Vec<usize> = Class::ALL.iter().map(|c| c.index()).collect();
         assert_eq!(indexes, (0..Class::ALL.len()).collect::<Vec<_>>());

@@ -69,28 +69,14 @@ impl Reconciler {
             found: Classes::default(),
             repaired: Classes::default(),
             orders: Vec::new(),
+            ahead: Vec::new(),
             errors: Vec::new(),
         };
         run.all().await;
         progress.finish();
         let finished = self.clock.now();
-        let record = sql::RunRecord {
-            started_at: started,
-            finished_at: finished,
-            dry_run: opts.dry_run,
-            interrupted: cancel.is_cancelled(),
-            errors: run.errors.clone(),
-            // A map of integers serializes.
-            found: serde_json::to_value(run.found).unwrap_or_default(),
-            repaired: serde_json::to_value(run.repaired).unwrap_or_default(),
-        };
-        if let Err(e) = sql::record_run(&self.pool, &record).await {
-            run.errors
-                .push(format!("recording the run: {}", error_chain(&e)));
-        }
-        let _ = sql::unlock(&mut lock_conn).await;
-        drop(lock_conn);
-        let report = Report {
+        let mut report = Report {
+            id: None,
             started_at: crate::admin::time(started),
             finished_at: crate::admin::time(finished),
             dry_run: opts.dry_run,
@@ -98,9 +84,29 @@ impl Reconciler {
             found: run.found,
             repaired: run.repaired,
             inconsistent_orders: run.orders,
+            redis_ahead_of_postgres: run.ahead,
             interrupted: cancel.is_cancelled(),
             errors: run.errors,
         };
+        let record = sql::RunRecord {
+            started_at: started,
+            finished_at: finished,
+            dry_run: opts.dry_run,
+            interrupted: report.interrupted,
+            errors: report.errors.clone(),
+            // Maps of integers, strings and lists serialize.
+            found: serde_json::to_value(report.found).unwrap_or_default(),
+            repaired: serde_json::to_value(report.repaired).unwrap_or_default(),
+            report: serde_json::to_value(&report).unwrap_or_default(),
+        };
+        match sql::record_run(&self.pool, &record).await {
+            Ok(id) => report.id = Some(id.to_string()),
+            Err(e) => report
+                .errors
+                .push(format!("recording the run: {}", error_chain(&e))),
+        }
+        let _ = sql::unlock(&mut lock_conn).await;
+        drop(lock_conn);
         tracing::info!(found = ?report.found, repaired = ?report.repaired, interrupted = report.interrupted, errors = report.errors.len(), "reconcile: finished");
         Ok(report)
     }
@@ -139,6 +145,8 @@ pub(super) struct Run<'a> {
     pub(super) found: Classes,
     pub(super) repaired: Classes,
     pub(super) orders: Vec<InconsistentOrder>,
+    /// The keys counted in `redis_ahead_of_postgres` (at most `MAX_LISTED`).
+    pub(super) ahead: Vec<String>,
     pub(super) errors: Vec<String>,
 }
 

@@ -631,3 +631,147 @@ async fn audit_cli_formats_and_exit_codes() {
     assert_eq!(out.status.code(), Some(2), "bad cursor is a usage error");
     app.stop().await;
 }
+
+/// The auditor role reads every admin view (tokens, keys, audit, stats,
+/// reconcile runs), and any token or order, and changes nothing: every call
+/// that could change state answers 403 `forbidden`, whatever the route, and
+/// leaves the token as it was. An operator's action records who acted.
+#[tokio::test]
+async fn an_auditor_reads_everything_and_changes_nothing() {
+    let clients = r#"
+[[clients]]
+name = "payments"
+role = "service"
+key_sha256 = "47270087500f39d054d1f059a00fc29ab03f97ad73583a0248d04c601ab22d9d"
+biz_types = ["order", "refund", "like"]
+
+[[clients]]
+name = "auditor"
+role = "auditor"
+key_sha256 = "46151c35c1c09bca0b049ce55099e4f67fd04efe91716eec70fd1fa8ce898163"
+biz_types = []
+
+[[clients]]
+name = "ops-alice"
+role = "admin"
+key_sha256 = "83deaa74469f7bf0114d4cc85d4e30cb4f3b4760101302b33903e29c9bda450b"
+biz_types = []
+"#;
+    // The last key's SHA-256 is that of "ops-alice-key".
+    let app = spawn_app_on(Stores::fresh().with(clients)).await;
+    let token = app.issue(PAYMENTS, "order", "u-audit").await;
+    let body = json!({"subject": "u-audit", "request_id": "r-1"});
+    assert_eq!(app.consume(PAYMENTS, &token, &body).await.status(), 200);
+    let key_body = json!({"biz_type": "order", "key": "k-audit-1", "subject": "u-audit"});
+    assert_eq!(
+        app.post(PAYMENTS, "/v1/keys/consume", &key_body)
+            .await
+            .status(),
+        200
+    );
+    let order =
+        json!({"order_id": "o-audit", "subject": "u-audit", "amount_minor": 10, "currency": "EUR"});
+    assert_eq!(app.post(PAYMENTS, "/v1/orders", &order).await.status(), 201);
+
+    for path in [
+        format!("/v1/admin/tokens/{token}"),
+        "/v1/admin/keys?client=payments&biz_type=order&key=k-audit-1".to_owned(),
+        "/v1/admin/audit?subject=u-audit".to_owned(),
+        "/v1/admin/stats?window=1h".to_owned(),
+        "/v1/admin/reconcile/runs".to_owned(),
+        format!("/v1/tokens/{token}"),
+        "/v1/orders/o-audit".to_owned(),
+    ] {
+        let (s, v) = get_json(&app, AUDITOR, &path).await;
+        assert_eq!(s, StatusCode::OK, "{path}: {v}");
+    }
+    let (_, view) = get_json(&app, AUDITOR, &format!("/v1/admin/tokens/{token}")).await;
+    assert_eq!(view["state"], "consumed");
+
+    let reason = json!({"reason": "checking"});
+    let writes: Vec<(String, Value)> = vec![
+        (format!("/v1/admin/tokens/{token}/release"), reason.clone()),
+        (
+            "/v1/admin/keys/release".to_owned(),
+            json!({"client": "payments", "biz_type": "order", "key": "k-audit-1", "reason": "x"}),
+        ),
+        ("/v1/admin/reconcile".to_owned(), json!({"dry_run": true})),
+        (
+            "/v1/tokens".to_owned(),
+            json!({"biz_type": "order", "subject": "u-audit"}),
+        ),
+        (
+            format!("/v1/tokens/{token}/release"),
+            json!({"subject": "u-audit"}),
+        ),
+        (
+            format!("/v1/tokens/{token}/result"),
+            json!({"subject": "u-audit", "result": 1}),
+        ),
+        (
+            "/v1/keys/consume".to_owned(),
+            json!({"biz_type": "order", "key": "k-2"}),
+        ),
+        (
+            "/v1/orders".to_owned(),
+            json!({"order_id": "o-auditor", "subject": "u", "amount_minor": 1, "currency": "EUR"}),
+        ),
+    ];
+    for (path, body) in &writes {
+        let (s, _, v) = answer(app.post(AUDITOR, path, body).await).await;
+        assert_eq!(
+            (s, v["error"].as_str()),
+            (StatusCode::FORBIDDEN, Some("forbidden")),
+            "{path}"
+        );
+    }
+    let (_, view) = get_json(&app, AUDITOR, &format!("/v1/admin/tokens/{token}")).await;
+    assert_eq!(view["state"], "consumed", "nothing changed");
+    let (s, _) = get_json(&app, AUDITOR, "/v1/orders/o-auditor").await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+
+    // An operator's releases record who acted, for a token and for a key.
+    let (s, _, v) = answer(
+        app.post(
+            "ops-alice-key",
+            &format!("/v1/admin/tokens/{token}/release"),
+            &reason,
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let key_release = json!({"client": "payments", "biz_type": "order", "key": "k-audit-1", "reason": "stuck; INC-7"});
+    let (s, _, v) = answer(
+        app.post("ops-alice-key", "/v1/admin/keys/release", &key_release)
+            .await,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, _, v) = answer(
+        app.post("ops-alice-key", "/v1/admin/keys/release", &key_release)
+            .await,
+    )
+    .await;
+    assert_eq!(
+        (s, v["error"].as_str()),
+        (StatusCode::CONFLICT, Some("not_releasable")),
+        "{v}"
+    );
+    let (_, page) = get_json(&app, AUDITOR, "/v1/admin/audit?kind=token.released").await;
+    assert_eq!(page["events"][0]["detail"]["by"], "ops-alice", "{page}");
+    let (_, page) = get_json(&app, AUDITOR, "/v1/admin/audit?kind=key.released").await;
+    assert_eq!(page["events"][0]["detail"]["by"], "ops-alice", "{page}");
+    assert_eq!(
+        page["events"][0]["detail"]["reason"], "stuck; INC-7",
+        "{page}"
+    );
+    // The key is consumable again.
+    let (s, _, v) = answer(app.post(PAYMENTS, "/v1/keys/consume", &key_body).await).await;
+    assert_eq!(
+        (s, v["outcome"].as_str()),
+        (StatusCode::OK, Some("consumed")),
+        "{v}"
+    );
+    app.stop().await;
+}

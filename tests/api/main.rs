@@ -32,5 +32,6 @@ mod startup_checks;
 mod tls;
 mod token_state;
 mod versions;
+mod waiting;
 mod writeback;
 mod writeback_cluster;

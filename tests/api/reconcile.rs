@@ -830,3 +830,83 @@ async fn on_a_cluster_every_master_is_scanned_and_repaired() {
     }
     app.stop().await;
 }
+
+/// Postgres restored to a point before a durable consume (the row back to
+/// `issued` at the generation before it) while Redis kept the consume's
+/// marker: the marker is the only record of that consume. Reconcile reports
+/// it (`redis_ahead_of_postgres`, with the token, in its recorded run too)
+/// and keeps it, run after run; the token keeps answering `duplicate`.
+/// Before the generations were compared, the marker was reset to live
+/// (`redis_consumed_but_live`) and the paid token could be consumed again.
+#[tokio::test]
+async fn a_consume_redis_holds_ahead_of_a_restored_postgres_is_kept_and_reported() {
+    let stores = Stores::fresh();
+    let app = spawn_app_on(stores.clone()).await;
+    let pg = app.pg().await;
+    let mut r = redis_conn().await;
+    let token = app.issue(PAYMENTS, "order", "u-restore").await;
+    let body = json!({"subject": "u-restore", "request_id": "paid-1"});
+    let (s, _, b) = answer(app.consume(PAYMENTS, &token, &body).await).await;
+    assert_eq!(
+        (s, b["outcome"].as_str()),
+        (StatusCode::OK, Some("consumed"))
+    );
+    let key = app.token_key(&token);
+    wait_redis_state(&r, &key, "c", 5).await;
+    // The restore: Postgres forgets the consume (row and audit as before it).
+    let id = token_id(&pg, &token).await;
+    sqlx::query(
+        "UPDATE tokens SET state = 'issued', gen = gen - 1, consumed_at = NULL,
+                           fingerprint = NULL, request_id = NULL
+          WHERE id = $1",
+    )
+    .bind(id)
+    .execute(&pg)
+    .await
+    .unwrap();
+
+    for _ in 0..2 {
+        let report = run(&stores, false).await;
+        assert_eq!(report.found.get(Class::RedisAheadOfPostgres), 1);
+        assert_eq!(report.repaired.get(Class::RedisAheadOfPostgres), 0);
+        assert_eq!(report.found.get(Class::RedisConsumedButLive), 0);
+        assert_eq!(report.redis_ahead_of_postgres, vec![token.clone()]);
+        assert_eq!(state_of(&mut r, &key).await.as_deref(), Some("c"), "kept");
+    }
+    let other = json!({"subject": "u-restore", "request_id": "second-try"});
+    let (s, _, b) = answer(app.consume(PAYMENTS, &token, &other).await).await;
+    assert_eq!(
+        (s, b["outcome"].as_str()),
+        (StatusCode::OK, Some("duplicate")),
+        "{b}"
+    );
+
+    // The recorded runs keep the whole report, for auditors too.
+    let (s, _, runs) = answer(app.get(AUDITOR, "/v1/admin/reconcile/runs?limit=1").await).await;
+    assert_eq!(s, StatusCode::OK, "{runs}");
+    let last = &runs["runs"][0];
+    assert_eq!(last["found"]["redis_ahead_of_postgres"], 1, "{runs}");
+    assert_eq!(last["redis_ahead_of_postgres"], json!([token]), "{runs}");
+    assert!(last["id"].as_str().is_some_and(|id| !id.is_empty()));
+    assert!(
+        runs["next_cursor"].is_string(),
+        "two runs, a page of one: {runs}"
+    );
+    let cursor = runs["next_cursor"].as_str().unwrap().to_owned();
+    let (s, _, older) = answer(
+        app.get(
+            AUDITOR,
+            &format!("/v1/admin/reconcile/runs?limit=1&cursor={cursor}"),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(older["runs"].as_array().map(Vec::len), Some(1));
+    assert!(older["next_cursor"].is_null(), "{older}");
+    let (s, _, bad) = answer(app.get(AUDITOR, "/v1/admin/reconcile/runs?cursor=x").await).await;
+    assert_eq!(
+        (s, bad["error"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("invalid_cursor"))
+    );
+}

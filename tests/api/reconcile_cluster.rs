@@ -308,7 +308,9 @@ async fn on_a_cluster_pages_of_hundreds_of_keys_are_repaired_on_every_master() {
     let lost = issue("lost").await;
     // Live; a provisional marker whose owner died 10 s ago.
     let stale = issue("stale").await;
-    // Live in Postgres (durable); Redis holds a consumed marker.
+    // Live in Postgres (durable, released: generation 2); Redis holds the
+    // consumed marker of the consume before (generation 1): the release
+    // was lost.
     let marked = issue("marked").await;
     // Live and fine (seeded here, whatever the issue's seed did).
     let fine = issue("fine").await;
@@ -344,7 +346,15 @@ async fn on_a_cluster_pages_of_hundreds_of_keys_are_repaired_on_every_master() {
             .expect("hset");
     }
     for (token, _) in &marked {
-        let _: () = r.hset(key(token), "s", "c").await.expect("hset");
+        let _: () = r
+            .hset_multiple(key(token), &[("s", "c"), ("g", "1")])
+            .await
+            .expect("hset");
+        sqlx::query("UPDATE tokens SET gen = 2 WHERE token = $1")
+            .bind(token)
+            .execute(&pg)
+            .await
+            .expect("released in postgres");
     }
     for (token, _) in &fine {
         let _: () = r
@@ -496,12 +506,24 @@ async fn reconcile_during_a_slot_migration_repairs_every_key() {
         (n == 150).then_some(())
     })
     .await;
-    // Every third holds a consumed marker Postgres does not know; the others
+    // Every third holds the consumed marker of a consume whose release
+    // Redis lost (generation 1; Postgres holds it issued at 2); the others
     // are seeded as issued.
     for (i, t) in tokens.iter().enumerate() {
         let k = app.token_key(t);
-        let s = if i % 3 == 0 { "c" } else { "i" };
-        let _: () = r.hset_multiple(&k, &[("s", s)]).await.expect("hset");
+        if i % 3 == 0 {
+            let _: () = r
+                .hset_multiple(&k, &[("s", "c"), ("g", "1")])
+                .await
+                .expect("hset");
+            sqlx::query("UPDATE tokens SET gen = 2 WHERE token = $1")
+                .bind(t)
+                .execute(&pg)
+                .await
+                .expect("released in postgres");
+        } else {
+            let _: () = r.hset_multiple(&k, &[("s", "i")]).await.expect("hset");
+        }
         let _: () = r.pexpire(&k, 600_000).await.expect("pexpire");
     }
     let (fast, metrics) = fast_tier(&stores);

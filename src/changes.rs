@@ -1,0 +1,174 @@
+//! Token and key changes that waiting consumes (`wait_ms`) wait for: a
+//! result recorded, a release. Waiters register per token id in this
+//! process and hold no connection; a change wakes them at once, whether it
+//! happened on this instance or on another (each instance `NOTIFY`s the
+//! fleet on Postgres's `ledger_changes` channel and `LISTEN`s to it on one
+//! connection of its own). Waiting costs memory, not CPU: nothing polls.
+//!
+//! What holds, and why:
+//! - **No lost wake-up.** A waiter registers (and arms its wake-up) before it
+//!   looks at the token; a change after that look wakes it.
+//! - **A missed notification costs only time.** When the listening
+//!   connection is lost, every waiter is woken once it is back (each looks
+//!   again); a waiter never waits past its own `wait_ms`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sqlx::postgres::PgListener;
+use sqlx::PgPool;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+/// The Postgres channel every instance listens on.
+pub const CHANNEL: &str = "ledger_changes";
+
+/// The waiters of this process, by token (or key) id.
+#[derive(Debug)]
+pub struct Changes {
+    waiters: Mutex<HashMap<i64, (Arc<Notify>, usize)>>,
+    pool: PgPool,
+}
+
+/// One registration; deregisters when dropped.
+#[derive(Debug)]
+pub struct Watch<'a> {
+    changes: &'a Changes,
+    id: i64,
+    notify: Arc<Notify>,
+}
+
+impl Watch<'_> {
+    /// The wake-up for the next change of this id; armed at once (see
+    /// [`tokio::sync::futures::Notified::enable`]) by the caller pinning it.
+    pub fn notify(&self) -> &Notify {
+        &self.notify
+    }
+}
+
+impl Drop for Watch<'_> {
+    fn drop(&mut self) {
+        let mut waiters = self.changes.lock();
+        if let Some((_, n)) = waiters.get_mut(&self.id) {
+            *n -= 1;
+            if *n == 0 {
+                waiters.remove(&self.id);
+            }
+        }
+    }
+}
+
+impl Changes {
+    pub fn new(pool: PgPool) -> Changes {
+        Changes {
+            waiters: Mutex::new(HashMap::new()),
+            pool,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<i64, (Arc<Notify>, usize)>> {
+        self.waiters.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers a waiter for `id`.
+    pub fn watch(&self, id: i64) -> Watch<'_> {
+        let mut waiters = self.lock();
+        let entry = waiters
+            .entry(id)
+            .or_insert_with(|| (Arc::new(Notify::new()), 0));
+        entry.1 += 1;
+        Watch {
+            changes: self,
+            id,
+            notify: entry.0.clone(),
+        }
+    }
+
+    /// How many waiters this process holds (tests, logs).
+    pub fn waiting(&self) -> usize {
+        self.lock().values().map(|(_, n)| n).sum()
+    }
+
+    /// Wakes this process's waiters of `id`.
+    fn wake(&self, id: i64) {
+        let notify = self.lock().get(&id).map(|(n, _)| n.clone());
+        if let Some(n) = notify {
+            n.notify_waiters();
+        }
+    }
+
+    fn wake_all(&self) {
+        let all: Vec<Arc<Notify>> = self.lock().values().map(|(n, _)| n.clone()).collect();
+        for n in all {
+            n.notify_waiters();
+        }
+    }
+
+    /// `id` changed here: wakes this process's waiters now, and tells the
+    /// fleet (one `pg_notify`, off the answer's path; if it fails, the other
+    /// instances' waiters only wait longer).
+    pub fn changed(self: &Arc<Self>, id: i64) {
+        self.wake(id);
+        let pool = self.pool.clone();
+        tokio::spawn(async move {
+            let sent = sqlx::query("SELECT pg_notify($1, $2)")
+                .bind(CHANNEL)
+                .bind(id.to_string())
+                .execute(&pool)
+                .await;
+            if let Err(e) = sent {
+                tracing::debug!(error = %e, "change not sent to the fleet");
+            }
+        });
+    }
+
+    /// Listens for the fleet's changes until `shutdown`, reconnecting after
+    /// a lost connection (and then waking every waiter to look again).
+    pub async fn listen(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut first = true;
+        while !shutdown.is_cancelled() {
+            let mut listener = match PgListener::connect_with(&self.pool).await {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::debug!(error = %e, "changes: cannot listen yet");
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                        _ = shutdown.cancelled() => return,
+                    }
+                }
+            };
+            if let Err(e) = listener.listen(CHANNEL).await {
+                tracing::debug!(error = %e, "changes: LISTEN failed");
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                    _ = shutdown.cancelled() => return,
+                }
+            }
+            if !first {
+                self.wake_all();
+            }
+            first = false;
+            loop {
+                tokio::select! {
+                    n = listener.try_recv() => match n {
+                        Ok(Some(n)) => {
+                            if let Ok(id) = n.payload().parse::<i64>() {
+                                self.wake(id);
+                            }
+                        }
+                        // The connection was lost: every waiter looks again
+                        // once listening is back.
+                        Ok(None) => self.wake_all(),
+                        Err(e) => {
+                            tracing::debug!(error = %e, "changes: listening connection lost");
+                            self.wake_all();
+                            break;
+                        }
+                    },
+                    _ = shutdown.cancelled() => return,
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! Waiting for the winner (`wait_ms`): consumes that would answer
+//! `processing` wait for the winner's result or release, on this instance
+//! or another, holding no connection; at the end of the wait they answer
+//! `processing` as without one.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+use crate::helpers::*;
+
+async fn consume_waiting(
+    app: &TestApp,
+    token: &str,
+    request_id: &str,
+    wait_ms: u64,
+) -> (StatusCode, bool, Value) {
+    answer(
+        app.consume(
+            PAYMENTS,
+            token,
+            &json!({"subject": "u-wait", "request_id": request_id, "wait_ms": wait_ms}),
+        )
+        .await,
+    )
+    .await
+}
+
+async fn waiters_reach(app: &TestApp, n: usize) {
+    eventually(20, || async move {
+        (app.ledger.waiting_consumes() >= n).then_some(())
+    })
+    .await;
+}
+
+/// 500 retries of one token wait on one instance and 20 on another; one
+/// result answers every one of them `completed` with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_waiter_on_every_instance_is_answered_by_one_result() {
+    let stores = Stores::fresh();
+    let a = Arc::new(spawn_app_on(stores.clone()).await);
+    let b = Arc::new(spawn_app_on(stores).await);
+    for biz in ["order", "like"] {
+        let token = a.issue(PAYMENTS, biz, "u-wait").await;
+        let (s, _, won) = consume_waiting(&a, &token, "winner", 0).await;
+        assert_eq!(
+            (s, won["outcome"].as_str()),
+            (StatusCode::OK, Some("consumed"))
+        );
+        let waiting: Vec<_> = (0..520)
+            .map(|i| {
+                let app = if i < 500 { a.clone() } else { b.clone() };
+                let token = token.clone();
+                tokio::spawn(async move {
+                    consume_waiting(&app, &token, &format!("retry-{i}"), 10_000).await
+                })
+            })
+            .collect();
+        waiters_reach(&a, 500).await;
+        waiters_reach(&b, 20).await;
+        let r = a
+            .post(
+                PAYMENTS,
+                &format!("/v1/tokens/{token}/result"),
+                &json!({"subject": "u-wait", "result": {"paid": biz}}),
+            )
+            .await;
+        assert_eq!(r.status(), StatusCode::OK, "{biz}");
+        let answered = tokio::time::timeout(Duration::from_secs(8), join_all(waiting))
+            .await
+            .expect("every waiter answered well before its wait ends");
+        for w in answered {
+            let (s, replayed, body) = w.unwrap();
+            assert_eq!(s, StatusCode::OK, "{biz}: {body}");
+            assert!(replayed, "{biz}: {body}");
+            assert_eq!(
+                (body["outcome"].as_str(), body["status"].as_str()),
+                (Some("duplicate"), Some("completed")),
+                "{biz}: {body}"
+            );
+            assert_eq!(body["result"], json!({"paid": biz}), "{biz}");
+        }
+        assert_eq!(a.ledger.waiting_consumes(), 0);
+        assert_eq!(b.ledger.waiting_consumes(), 0);
+    }
+}
+
+/// A waiter wins the token its winner releases; the others go on waiting
+/// for that new winner, and a wait that ends answers `processing`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_wins_after_a_release_and_a_wait_that_ends_answers_processing() {
+    let app = Arc::new(spawn_app().await);
+    let token = app.issue(PAYMENTS, "order", "u-wait").await;
+    let (_, _, won) = consume_waiting(&app, &token, "first", 0).await;
+    assert_eq!(won["outcome"], "consumed");
+    let waiting: Vec<_> = (0..3)
+        .map(|i| {
+            let (app, token) = (app.clone(), token.clone());
+            tokio::spawn(
+                async move { consume_waiting(&app, &token, &format!("w-{i}"), 3_000).await },
+            )
+        })
+        .collect();
+    waiters_reach(&app, 3).await;
+    let r = app
+        .post(
+            PAYMENTS,
+            &format!("/v1/tokens/{token}/release"),
+            &json!({"subject": "u-wait"}),
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let started = std::time::Instant::now();
+    let mut consumed = 0;
+    for w in join_all(waiting).await {
+        let (s, _, body) = w.unwrap();
+        assert_eq!(s, StatusCode::OK, "{body}");
+        match (body["outcome"].as_str(), body["status"].as_str()) {
+            (Some("consumed"), _) => consumed += 1,
+            (Some("duplicate"), Some("processing")) => {}
+            other => panic!("{other:?}: {body}"),
+        }
+    }
+    assert_eq!(consumed, 1, "exactly one waiter won the released token");
+    assert!(
+        started.elapsed() >= Duration::from_millis(1_500),
+        "the others waited out their wait"
+    );
+
+    // Out of range: refused before anything happens.
+    for bad in [json!(10_001), json!(-1), json!("5")] {
+        let (s, _, body) = answer(
+            app.consume(
+                PAYMENTS,
+                &token,
+                &json!({"subject": "u-wait", "wait_ms": bad}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(
+            (s, body["error"].as_str()),
+            (StatusCode::BAD_REQUEST, Some("invalid_request")),
+            "{bad}"
+        );
+    }
+    // Client keys wait the same way.
+    let key = json!({"biz_type": "order", "key": "k-wait", "request_id": "k-1"});
+    let (s, _, body) = answer(app.post(PAYMENTS, "/v1/keys/consume", &key).await).await;
+    assert_eq!(
+        (s, body["outcome"].as_str()),
+        (StatusCode::OK, Some("consumed"))
+    );
+    let waiter = {
+        let app = app.clone();
+        tokio::spawn(async move {
+            answer(
+                app.post(
+                    PAYMENTS,
+                    "/v1/keys/consume",
+                    &json!({"biz_type": "order", "key": "k-wait", "request_id": "k-2", "wait_ms": 5000}),
+                )
+                .await,
+            )
+            .await
+        })
+    };
+    waiters_reach(&app, 1).await;
+    let r = app
+        .post(
+            PAYMENTS,
+            "/v1/keys/result",
+            &json!({"biz_type": "order", "key": "k-wait", "result": 7}),
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let (s, _, body) = waiter.await.unwrap();
+    assert_eq!(
+        (s, body["status"].as_str(), &body["result"]),
+        (StatusCode::OK, Some("completed"), &json!(7)),
+        "{body}"
+    );
+}
