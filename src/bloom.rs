@@ -134,6 +134,13 @@ impl std::fmt::Debug for IssuedFilter {
     }
 }
 
+/// How far beyond the grace ahead of this instance's clock a token's id may
+/// be stamped and still be taken as real (when a lease we know covers it and
+/// its mark is below it): a worker id's new lease starts at most
+/// `tokens.worker_lease_ttl` (30 s by default) ahead, and an issuer's clock
+/// runs early by seconds, not minutes.
+pub const MAX_AHEAD_MS: i64 = 120_000;
+
 fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
@@ -261,17 +268,29 @@ impl IssuedFilter {
         if !self.is_synced() {
             return Verdict::Uncovered;
         }
-        // Nobody issues from further in the future than the grace.
-        if ts > now_ms.saturating_add(self.grace_ms) {
-            return Verdict::Rejected;
-        }
+        // The marks are asked before the clock: a real id can be ahead of
+        // ours by more than the grace (a worker id leased again right after
+        // a clean stop starts at its old lease's floor, up to a lease ttl
+        // ahead; an issuer's clock may run early). Ahead of the grace, only
+        // an id of a lease we know, above its mark, and at most
+        // `MAX_AHEAD_MS` ahead goes on.
         let says = self
             .marks
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .says(id, self.grace_ms);
+        let ahead = ts > now_ms.saturating_add(self.grace_ms);
         match says {
             MarkSays::Recorded | MarkSays::NoLease => Verdict::Rejected,
+            MarkSays::Pending if ahead => {
+                if ts <= now_ms.saturating_add(self.grace_ms + MAX_AHEAD_MS) {
+                    Verdict::Unrecorded
+                } else {
+                    Verdict::Rejected
+                }
+            }
+            // No lease we know of covers an id from our future.
+            MarkSays::Unknown if ahead => Verdict::Rejected,
             MarkSays::Pending | MarkSays::Unknown => Verdict::Unrecorded,
         }
     }
@@ -601,7 +620,7 @@ mod tests {
         // Within the grace, either side of now.
         assert_eq!(f.check(id(NOW - 1_500, 1), NOW), Verdict::Young);
         assert_eq!(f.check(id(NOW + 1_500, 1), NOW), Verdict::Young);
-        // Far in the future: nobody issued it.
+        // Ahead of the grace, of no lease we know: nobody issued it.
         assert_eq!(f.check(id(NOW + 60_000, 1), NOW), Verdict::Rejected);
         // Older than the horizon: the tiers decide.
         assert_eq!(f.check(id(NOW - 700_000, 1), NOW), Verdict::Uncovered);
@@ -659,8 +678,19 @@ mod tests {
         f2.set_synced(true);
         f2.apply_marks(&[], NOW - 60_000);
         assert_eq!(f2.check(recent, NOW), Verdict::Unrecorded);
-        // Beyond the grace in the future: nobody issued it, mark or not.
-        assert_eq!(f.check(id(NOW + 60_000, 1), NOW), Verdict::Rejected);
+        // Ahead of our clock by more than the grace, of a lease we know and
+        // above its mark: real (a worker id leased again right after a clean
+        // stop starts up to a lease ttl ahead; an issuer's clock runs early).
+        assert_eq!(f.check(id(NOW + 5_000, 1), NOW), Verdict::Unrecorded);
+        assert_eq!(f.check(id(NOW + 60_000, 1), NOW), Verdict::Unrecorded);
+        // ...but not further ahead than any lease can be, nor of a worker id
+        // no lease we know covers.
+        let too_far = NOW + 2_000 + MAX_AHEAD_MS + 1;
+        assert_eq!(f.check(id(too_far, 1), NOW), Verdict::Rejected);
+        assert_eq!(
+            f.check(SnowflakeId::from_parts(NOW + 5_000, 9, 0), NOW),
+            Verdict::Rejected
+        );
         // A lease ended cleanly: every unknown id of it is refused.
         f.raise_mark(Mark {
             lease,

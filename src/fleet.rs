@@ -28,10 +28,16 @@
 //!   generation: only a script that reached Redis after its caller timed it
 //!   out (and was answered 503) can have written one during the episode.
 //! - **Lease.** A gate stays open for `fleet.lease` after the report that
-//!   opened it began, so an instance that stalls (paused, starved) stops
-//!   letting Redis decide before its peers stop counting it. A report that
-//!   fails on Postgres keeps the gate as it was: with Postgres down for the
-//!   fleet nobody can turn it `redis_down`, and Redis goes on deciding.
+//!   opened it began, so an instance that stalls (paused, starved) or cannot
+//!   renew its membership (its reports fail on Postgres) stops letting Redis
+//!   decide before its peers stop counting it; a decision whose reply comes
+//!   in after the peers may have stopped counting it (`fleet.lease +
+//!   redis.timeout + 1s` after the report) is answered 503 (outcome unknown),
+//!   never `consumed`.
+//!   With `fleet.decide_without_postgres` a report that fails on Postgres
+//!   keeps the gate open instead (fast types work through a Postgres outage,
+//!   but a partition that leaves one instance with Redis and without
+//!   Postgres can then yield two deciders).
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -167,6 +173,9 @@ pub struct Fleet {
     instance: Uuid,
     heartbeat: Duration,
     lease: Duration,
+    /// `fleet.decide_without_postgres`: the gate outlives its lease while
+    /// the reports fail on Postgres.
+    decide_without_postgres: bool,
     member_timeout: Duration,
     deadline: Duration,
     pool: PgPool,
@@ -198,6 +207,22 @@ impl std::fmt::Debug for Fleet {
 /// A Redis decision may go ahead while this is held.
 pub struct RedisGate<'a> {
     _held: tokio::sync::RwLockReadGuard<'a, ()>,
+    /// Until when peers still count this instance as a member, by the
+    /// report that opened the gate (`None`: with
+    /// `fleet.decide_without_postgres` while Postgres fails).
+    counted_until: Option<Instant>,
+}
+
+impl RedisGate<'_> {
+    /// Whether peers still count this instance: checked again when a
+    /// decision's reply is in. The script ran before its reply arrived, so a
+    /// reply in time proves the decision was made while no peer could have
+    /// turned the fleet `redis_down` without this instance; a later one (the
+    /// instance was paused, the call stalled) is never answered as made.
+    pub fn still_held(&self) -> bool {
+        self.counted_until
+            .is_none_or(|until| Instant::now() < until)
+    }
 }
 
 impl Fleet {
@@ -223,6 +248,7 @@ impl Fleet {
             instance: Uuid::new_v4(),
             heartbeat: settings.fleet.heartbeat,
             lease,
+            decide_without_postgres: settings.fleet.decide_without_postgres,
             member_timeout: lease + settings.redis.timeout + Duration::from_secs(1),
             deadline,
             pool,
@@ -246,9 +272,14 @@ impl Fleet {
     /// until its answer is in.
     pub fn redis_may_decide(&self) -> Option<RedisGate<'_>> {
         let v = self.view();
-        let fresh = v
-            .confirmed
-            .is_some_and(|at| v.pg_failing || at.elapsed() < self.lease);
+        let until = match v.confirmed {
+            None => return None,
+            // Membership that cannot be renewed closes the gate: past its
+            // lease, peers may stop counting this instance.
+            Some(_) if v.pg_failing && self.decide_without_postgres => None,
+            Some(at) => Some(at + self.lease),
+        };
+        let fresh = until.is_none_or(|until| Instant::now() < until);
         if !(v.reported_up && v.state == FleetState::Normal && fresh) {
             return None;
         }
@@ -256,7 +287,13 @@ impl Fleet {
         if self.closing.load(Ordering::SeqCst) {
             return None;
         }
-        Some(RedisGate { _held: held })
+        // Peers count a member for `member_timeout` after its last report
+        // (measured from its commit, which follows the report's start).
+        let counted_until = until.map(|u| u - self.lease + self.member_timeout);
+        Some(RedisGate {
+            _held: held,
+            counted_until,
+        })
     }
 
     /// Records a fast consume Redis decided (its journal entry, with the

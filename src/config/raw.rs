@@ -33,6 +33,7 @@ pub(super) struct Raw {
 pub(super) struct RawFleet {
     pub(super) heartbeat: String,
     pub(super) lease: String,
+    pub(super) decide_without_postgres: bool,
 }
 
 #[derive(Debug, Deserialize)]

@@ -69,6 +69,13 @@ pub struct FleetSettings {
     /// decide fast consumes; the others count it as a member for
     /// `lease + redis.timeout + 1s` after its last report.
     pub lease: Duration,
+    /// Whether Redis keeps deciding fast consumes on an instance whose
+    /// reports fail on Postgres (its gate stays open past its lease). Off by
+    /// default: under a partition that cuts an instance off from Postgres but
+    /// not from Redis, the others may stop counting it and decide the same
+    /// tokens in Postgres. On: fast types keep working through a Postgres
+    /// outage, at that risk.
+    pub decide_without_postgres: bool,
 }
 
 /// The filter of issued token ids (see `crate::bloom`).

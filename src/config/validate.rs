@@ -273,6 +273,7 @@ impl Raw {
         let fleet = FleetSettings {
             heartbeat: parse_duration("fleet.heartbeat", &self.fleet.heartbeat)?,
             lease: parse_duration("fleet.lease", &self.fleet.lease)?,
+            decide_without_postgres: self.fleet.decide_without_postgres,
         };
         if fleet.heartbeat < Duration::from_millis(10) {
             return Err(invalid("fleet.heartbeat", "must be at least 10ms"));

@@ -149,9 +149,9 @@ impl Work for Consumes {
             .bounded(consume_batch(&self.pools.hot, &refs))
             .await
         {
-            Ok(answers) => answers.into_iter().map(Ok).collect(),
-            // Refused by Postgres: an error of the statement, which rolled
-            // it back. Something an item holds, most likely: each is
+            Ok(answers) => answers,
+            // Refused by Postgres: an error of the claim statement, which
+            // rolled it back (nothing of the batch committed). Something an item holds, most likely: each is
             // decided alone, with its own answer.
             Err(DurableError::Other(sqlx::Error::Database(db))) => {
                 tracing::warn!(error = %db, items = items.len(), "postgres refused a consume batch: its items are decided one by one");
@@ -193,10 +193,17 @@ impl Consumes {
 /// in one statement: for each item, in order, what
 /// [`tokens::consume_versioned`] would answer it. Exposed for the tests;
 /// the service goes through [`ConsumeBatcher`].
+///
+/// `Err` only when the claim statement failed: then nothing of the batch is
+/// known to have committed. Once it succeeded, its winners are known and
+/// answered `Won` whatever happens next; an item the fresh read after it
+/// should have settled, when that read fails, gets its own error (it did
+/// not win: nothing of it changed), and is never decided again as if the
+/// batch had been refused.
 pub async fn consume_batch(
     pool: &PgPool,
     items: &[&ConsumeItem],
-) -> Result<Vec<(ConsumeRow, i64)>, DurableError> {
+) -> Result<Vec<Answer>, DurableError> {
     let n = items.len();
     let (mut ids, mut toks, mut biz, mut dur, mut subjects) = (
         Vec::with_capacity(n),
@@ -303,24 +310,45 @@ pub async fn consume_batch(
         .copied()
         .filter(|id| !decided.contains_key(id))
         .collect();
+    let mut read_failed: Option<Arc<DurableError>> = None;
     if !unsettled.is_empty() {
-        let fresh = super::fetch_all(pool, || {
-            sqlx::query(
-                "SELECT id, state, consumed_at, fingerprint, request_id, result, order_id, expires_at, gen
-                   FROM tokens WHERE id = ANY($1)",
-            )
-            .bind(&unsettled)
-        })
-        .await?;
-        for row in &fresh {
-            let id: i64 = row.try_get("id")?;
-            let e = tokens::existing(row)?;
-            let gen = e.gen;
-            decided.insert(id, (ConsumeRow::Existing(e), gen));
+        match fresh_rows(pool, &unsettled).await {
+            Ok(fresh) => decided.extend(fresh),
+            Err(e) => {
+                tracing::debug!(error = %e, items = unsettled.len(), "the read after a consume batch failed");
+                read_failed = Some(Arc::new(e));
+            }
         }
     }
     Ok(ids
         .iter()
-        .map(|id| decided.remove(id).unwrap_or((ConsumeRow::Expired, 0)))
+        .map(|id| match (decided.remove(id), &read_failed) {
+            (Some(answer), _) => Ok(answer),
+            (None, Some(cause)) => Err(DurableError::Batch(Some(cause.clone()))),
+            (None, None) => Ok((ConsumeRow::Expired, 0)),
+        })
         .collect())
+}
+
+/// The rows of `ids` as they are now (a fresh snapshot).
+async fn fresh_rows(
+    pool: &PgPool,
+    ids: &[i64],
+) -> Result<Vec<(i64, (ConsumeRow, i64))>, DurableError> {
+    let fresh = super::fetch_all(pool, || {
+        sqlx::query(
+            "SELECT id, state, consumed_at, fingerprint, request_id, result, order_id, expires_at, gen
+               FROM tokens WHERE id = ANY($1)",
+        )
+        .bind(ids)
+    })
+    .await?;
+    let mut out = Vec::with_capacity(fresh.len());
+    for row in &fresh {
+        let id: i64 = row.try_get("id")?;
+        let e = tokens::existing(row)?;
+        let gen = e.gen;
+        out.push((id, (ConsumeRow::Existing(e), gen)));
+    }
+    Ok(out)
 }

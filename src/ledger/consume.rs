@@ -286,6 +286,19 @@ impl Ledger {
             entry.push((journal::AT, at_ms.to_string()));
             entry.push((journal::GEN, version.gen.to_string()));
             self.fleet.decided_in_redis(&gate, entry);
+            // The lease is checked again now that the reply is in: a win
+            // that outlived this instance's membership (it was paused, the
+            // call was slow) may meet a decision the fleet made without it.
+            // It is not answered as made: the caller retries with its
+            // request_id once this instance is a member again.
+            if !gate.still_held() {
+                self.fallback.uncertain.insert(record.id, ());
+                return Err(LedgerError::Unavailable {
+                    what: "fleet membership ran out during the decision (outcome unknown; retry with the same request_id)",
+                    retry_after_secs: 1,
+                    source: None,
+                });
+            }
         }
         drop(gate);
         match reply.map(|(outcome, _)| outcome) {

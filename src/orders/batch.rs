@@ -195,6 +195,21 @@ impl Events {
     }
 
     async fn try_transact(&self, ev: &Event<'_>) -> Result<Outcome, OrderError> {
+        match self.try_transact_once(ev).await? {
+            // The token's claim found it consumed, though the lock's read
+            // showed it unused: a transaction on another instance consumed
+            // it and committed while this one waited for the order's row
+            // (the row is re-read after the wait, the token in the same
+            // statement is not). Nothing was written: decided again, on
+            // what that transaction committed (a duplicate, or the applied
+            // answer again for its request_id), never `token_already_used`
+            // from a stale view.
+            Outcome::Written(None) => self.try_transact_once(ev).await,
+            outcome => Ok(outcome),
+        }
+    }
+
+    async fn try_transact_once(&self, ev: &Event<'_>) -> Result<Outcome, OrderError> {
         let ledger = &self.ledger;
         let metrics = ledger.metrics();
         let token = ev.token.verified();
@@ -359,7 +374,13 @@ impl Events {
         p.committing = true;
         pools.bounded(tx.commit()).await?;
         for ((i, _, _), claim) in writes.iter().zip(claims) {
-            p.outcomes[*i] = Some(Outcome::Written(claim));
+            p.outcomes[*i] = Some(match claim {
+                Some(claim) => Outcome::Written(Some(claim)),
+                // Consumed by a transaction this one's read did not see
+                // (see `try_transact`): nothing of it was written, so it is
+                // decided again alone, on a fresh read.
+                None => self.transact_bounded(&events[*i]).await,
+            });
         }
         Ok(())
     }

@@ -492,6 +492,7 @@ async fn postgres_stopped_durable_consumes_fail_closed_then_exactly_once() {
 postgres.acquire_timeout = "1s"
 postgres.statement_timeout = "2s"
 biz.like.ttl = "60s"
+fleet.decide_without_postgres = true
 "#,
         ))
         .await,
@@ -573,7 +574,9 @@ biz.like.ttl = "60s"
         (s, body["postgres"].as_str()),
         (StatusCode::SERVICE_UNAVAILABLE, Some("down"))
     );
-    // Fast types keep working: Redis decides, the journal waits.
+    // With fleet.decide_without_postgres, fast types keep working: Redis
+    // decides, the journal waits (by default the gate closes after its
+    // lease: `an_instance_that_cannot_renew_its_membership_stops_deciding`).
     let (consumed, answers) = storm(&app, &likes, 4, "fast").await;
     assert_all_ok(&answers);
     assert!(consumed.iter().all(|&n| n == 1), "{consumed:?}");
@@ -1168,7 +1171,7 @@ async fn cluster_fast_consume_whose_journal_append_fails_still_wins() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cluster_journal_entry_neither_redis_nor_postgres_takes_waits_in_memory_then_arrives() {
     let cluster = Cluster::start();
-    let link = crate::helpers::link::Link::to(5432).await;
+    let link = crate::helpers::link::Link::to(crate::helpers::suite_pg::port()).await;
     let app = spawn_app_on(
         Stores::fresh()
             .postgres(&format!("postgres://postgres@127.0.0.1:{}", link.port()))
@@ -1205,7 +1208,11 @@ async fn cluster_journal_entry_neither_redis_nor_postgres_takes_waits_in_memory_
     assert_eq!(redis_cli(port, &["-c", "del", &journal]).trim(), "1");
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
-        .connect(&format!("{PG_BASE}/{}", app.stores.db_name))
+        .connect(&format!(
+            "{}/{}",
+            crate::helpers::suite_pg::base(),
+            app.stores.db_name
+        ))
         .await
         .expect("test pool");
     eventually(30, || {

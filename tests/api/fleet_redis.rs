@@ -646,3 +646,78 @@ async fn an_idle_instances_failed_health_pings_are_evidence_but_not_serving_erro
     );
     link.open();
 }
+
+/// One partition, {instance A + Redis} | {Postgres + instance B}: A can no
+/// longer renew its membership, B no longer reaches Redis, stops counting
+/// A and turns the fleet `redis_down`, and decides fast tokens in
+/// Postgres. A must have stopped deciding in Redis by then (its gate closes
+/// with its lease), so no token is answered `consumed` on both sides. Before
+/// the gate's lease held while Postgres failed, every raced token had two
+/// winners.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_partition_never_yields_two_deciders_of_a_fast_token() {
+    let redis = RedisProc::start();
+    let pg_link = Link::to(suite_pg::port()).await;
+    let redis_link = Link::to(redis.port).await;
+    let stores = Stores::fresh()
+        .with(FAST_TIMEOUT)
+        .with("redis.down_after = \"1s\"\npostgres.acquire_timeout = \"500ms\"");
+    let a = spawn_app_on(
+        stores
+            .clone()
+            .redis(&redis.url())
+            .postgres(&format!("postgres://postgres@127.0.0.1:{}", pg_link.port())),
+    )
+    .await;
+    let b = spawn_app_on(
+        stores
+            .clone()
+            .redis(&format!("redis://127.0.0.1:{}", redis_link.port())),
+    )
+    .await;
+    let tokens = issue_likes(&a, 30).await;
+    // Their issuance records are in Postgres before the partition.
+    let pool = b.pg().await;
+    eventually(15, || {
+        let pool = pool.clone();
+        async move {
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM tokens WHERE biz_type = 'like'")
+                .fetch_one(&pool)
+                .await
+                .ok()?;
+            (n == 30).then_some(())
+        }
+    })
+    .await;
+    wait_fleet(&b, 10, "normal").await;
+
+    pg_link.cut();
+    redis_link.cut();
+    wait_fleet(&b, 20, "redis_down").await;
+
+    let mut both = 0;
+    let mut answers = Vec::new();
+    for t in &tokens {
+        let (x, y) = tokio::join!(consume_on(&a, t), consume_on(&b, t));
+        if consumed(&x) && consumed(&y) {
+            both += 1;
+        }
+        answers.push(x);
+        answers.push(y);
+    }
+    assert_200_or_503(&answers);
+    assert_eq!(both, 0, "tokens consumed on both sides of the partition");
+    let b_won = answers
+        .iter()
+        .skip(1)
+        .step_by(2)
+        .filter(|s| consumed(s))
+        .count();
+    assert_eq!(
+        b_won,
+        tokens.len(),
+        "the side with Postgres decides every token"
+    );
+    pg_link.open();
+    redis_link.open();
+}

@@ -580,3 +580,84 @@ async fn killed_connections_leave_all_or_nothing() {
         assert!(b["outcome"] == "applied" || b["outcome"] == "duplicate");
     }
 }
+
+/// Two identical partial refunds (same order, token, amount and
+/// `request_id`) reach two instances at once, a double click behind a load
+/// balancer: both statements read the token while a third transaction holds
+/// the order's row, then wait for it. The one that runs second must decide on
+/// what the first committed (the `applied` answer again, for the same
+/// `request_id`), never answer 409 `token_already_used` from its old view of
+/// the token; a third copy with another `request_id` is a `duplicate`, and
+/// one with another amount 422 `fingerprint_mismatch`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn identical_refunds_racing_on_two_instances_answer_as_retries() {
+    let stores = Stores::fresh();
+    let a = Arc::new(spawn_app_on(stores.clone()).await);
+    let b = Arc::new(spawn_app_on(stores).await);
+    create(&a, "twin", "erin", 1000).await;
+    let pay = a.issue(PAYMENTS, "order", "erin").await;
+    let (s, _, _) = event(&a, "twin", "pay", json!({"token": pay})).await;
+    assert_eq!(s, StatusCode::OK);
+    let refund = a.issue(PAYMENTS, "refund", "erin").await;
+    let body = json!({"token": refund, "amount_minor": 300, "request_id": "refund-twin-1"});
+
+    let pg = a.pg().await;
+    let mut holder = pg.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM orders WHERE order_id = 'twin' FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let sent: Vec<_> = [a.clone(), b.clone()]
+        .into_iter()
+        .map(|app| {
+            let body = body.clone();
+            tokio::spawn(async move { event(&app, "twin", "refund", body).await })
+        })
+        .collect();
+    // Both events' statements are waiting for the order's row.
+    eventually(20, || {
+        let pg = pg.clone();
+        async move {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&pg)
+            .await
+            .ok()?;
+            (waiting >= 2).then_some(())
+        }
+    })
+    .await;
+    holder.rollback().await.unwrap();
+
+    let mut replayed_flags = Vec::new();
+    for h in sent {
+        let (s, replayed, b) = h.await.unwrap();
+        assert_eq!(s, StatusCode::OK, "{b}");
+        assert_eq!(b["outcome"], "applied", "{b}");
+        assert_eq!(b["order"]["refunded_minor"], 300, "{b}");
+        replayed_flags.push(replayed);
+    }
+    replayed_flags.sort();
+    assert_eq!(replayed_flags, [false, true], "one applied, one its replay");
+
+    let other_attempt =
+        json!({"token": refund, "amount_minor": 300, "request_id": "refund-twin-2"});
+    let (s, replayed, b) = event(&b, "twin", "refund", other_attempt).await;
+    assert_eq!(
+        (s, replayed, b["outcome"].as_str()),
+        (StatusCode::OK, true, Some("duplicate"))
+    );
+    let other_amount = json!({"token": refund, "amount_minor": 200, "request_id": "refund-twin-1"});
+    let (s, _, b) = event(&a, "twin", "refund", other_amount).await;
+    assert_eq!(
+        (s, b["error"].as_str()),
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("fingerprint_mismatch")
+        )
+    );
+    let (_, _, order) = answer(a.get(PAYMENTS, "/v1/orders/twin").await).await;
+    assert_eq!(order["refunded_minor"], 300);
+}

@@ -239,7 +239,12 @@ async fn a_write_back_pipeline_that_fails_leaves_reconcile_able_to_repair() {
         })
         .collect();
     let refs: Vec<&ConsumeItem> = batch.iter().collect();
-    let decided = consume_batch(&pg, &refs).await.expect("batch");
+    let decided: Vec<_> = consume_batch(&pg, &refs)
+        .await
+        .expect("batch")
+        .into_iter()
+        .map(|a| a.expect("decided"))
+        .collect();
     for ((row, gen), item) in decided.iter().zip(&batch) {
         let ConsumeRow::Won { consumed_at } = row else {
             panic!("not won: {row:?}");
