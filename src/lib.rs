@@ -28,6 +28,8 @@
 //! - [`writer`]: batched Postgres writes that may lag the answer.
 //! - [`metrics`]: Prometheus metrics and fleet-wide stats counters.
 //! - [`admin`]: audit queries (one token, event pages, stats) for HTTP and CLI.
+//! - [`audit_seal`]: sealed audit checkpoints: the job that chains and
+//!   authenticates new audit events, and `audit verify` (`audit_seal/chain.rs`: the arithmetic).
 //! - [`reconcile`]: compares the tiers and repairs divergence, one run at a time
 //!   (`reconcile/`: `run`, one file per phase, `report`, `metrics`).
 //! - [`http`]: routes, extractors, errors, OpenAPI.
@@ -53,6 +55,7 @@
 //! straight to Postgres, fast types through `ledger/degraded.rs`.
 
 pub mod admin;
+pub mod audit_seal;
 pub mod auth;
 pub mod bloom;
 pub mod cli;
