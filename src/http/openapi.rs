@@ -5,7 +5,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{ObjectBuilder, RefOr, ResponseBuilder, Type};
 use utoipa::{Modify, OpenApi};
 
-use super::{admin, keys, ops, orders, tokens, ErrorBody};
+use super::{admin, audit_seal, keys, ops, orders, tokens, ErrorBody};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -20,6 +20,7 @@ use super::{admin, keys, ops, orders, tokens, ErrorBody};
         orders::create, orders::get, orders::pay, orders::refund, orders::close,
         ops::healthz, ops::readyz, ops::metrics, ops::openapi,
         admin::token, admin::key, admin::release, admin::audit, admin::stats, admin::run_reconcile,
+        audit_seal::last,
     ),
     components(schemas(
         ErrorBody, crate::domain::TokenStatus, crate::domain::AuditKind,
@@ -35,7 +36,7 @@ use super::{admin, keys, ops, orders, tokens, ErrorBody};
         crate::admin::TokenView, crate::admin::KeyView, crate::admin::AuditEvent, crate::admin::AuditPage,
         crate::admin::Stats, crate::admin::BizStats, admin::ReconcileRequest,
         crate::reconcile::Report, crate::reconcile::Classes, crate::reconcile::Scanned,
-        crate::reconcile::InconsistentOrder,
+        crate::reconcile::InconsistentOrder, crate::audit_seal::CheckpointView,
     )),
     modifiers(&BearerAuth, &Common),
     tags(
