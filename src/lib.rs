@@ -28,10 +28,10 @@
 //! - [`writer`]: batched Postgres writes that may lag the answer.
 //! - [`metrics`]: Prometheus metrics and fleet-wide stats counters.
 //! - [`admin`]: audit queries (one token, event pages, stats) for HTTP and CLI.
-//! - [`audit_seal`]: sealed audit checkpoints: the job that chains and
-//!   authenticates new audit events, and `audit verify` (`audit_seal/chain.rs`: the arithmetic).
 //! - [`reconcile`]: compares the tiers and repairs divergence, one run at a time
 //!   (`reconcile/`: `run`, one file per phase, `report`, `metrics`).
+//! - [`audit_seal`]: sealed audit checkpoints: the job that chains and
+//!   authenticates new audit events, and `audit verify` (`audit_seal/chain.rs`: the arithmetic).
 //! - [`http`]: routes, extractors, errors, OpenAPI.
 //! - [`startup`]: building and running the service.
 //! - [`cli`]: the command line.
