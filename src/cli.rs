@@ -5,11 +5,16 @@
 //! Exit codes, for every command:
 //! - 0: done (`reconcile`: finished, even with repairs; `health`: answered 2xx);
 //! - 1: failed at run time (`audit token`: not found; `health`: no 2xx answer;
-//!   `reconcile`: could not run, or a phase failed);
+//!   `reconcile`: could not run, or a phase failed; `audit verify`: could not
+//!   run, e.g. Postgres unreachable);
 //! - 2: usage or configuration error, naming the problem;
 //! - 3: `reconcile`: another run holds the lock;
 //! - 4: `reconcile --fail-on-inconsistent`: finished and found `order_inconsistent`;
-//! - 5: `audit`: could not ask (Postgres unreachable or failing);
+//! - 5: `audit token`, `audit events`: could not ask (Postgres unreachable or
+//!   failing); `audit verify`: a sealed checkpoint does not match (an event
+//!   edited, deleted or inserted into its range, a checkpoint changed or
+//!   removed, a MAC that does not verify, an unknown seal key id), the first
+//!   one named on stderr, all of them in the JSON summary;
 //! - 130: interrupted (SIGINT).
 
 pub mod admin;
@@ -58,7 +63,8 @@ pub enum Command {
     /// the lock, 4 with --fail-on-inconsistent when it found
     /// order_inconsistent, 1 when it could not run.
     Reconcile(admin::ReconcileArgs),
-    /// What happened to a token, a user or an order (exit 5: could not ask).
+    /// What happened to a token, a user or an order (exit 5: could not ask;
+    /// `audit verify`: 5 a sealed checkpoint does not match, 1 could not run).
     Audit {
         #[command(subcommand)]
         what: admin::AuditCommand,

@@ -2,7 +2,8 @@
 //! ([`tokens`] for the token ledger, [`keys`] for client keys, [`journal`] for the fast-type journal's
 //! versioned apply, [`lease`] for snowflake worker ids,
 //! [`setup`] for database creation, migrations and start-up checks,
-//! [`admin`] for audit queries and stats, [`reconcile`] for reconciliation,
+//! [`admin`] for audit queries and stats, [`seal`] for sealed audit
+//! checkpoints, [`reconcile`] for reconciliation,
 //! [`bloom`] for the issued-token filter's channel and load, [`marks`] for
 //! the issuance marks, [`usage`] for the pools' use as metrics, [`batch`]
 //! for the group commit of durable consumes, [`group`] for the group-commit
@@ -20,6 +21,7 @@ pub mod lease;
 pub mod marks;
 pub mod orders;
 pub mod reconcile;
+pub mod seal;
 pub mod setup;
 pub mod tokens;
 pub mod usage;

@@ -1,10 +1,12 @@
-//! The HTTP surface of API.md: routes ([`tokens`], [`keys`], [`orders`], [`admin`], [`ops`]),
+//! The HTTP surface of API.md: routes ([`tokens`], [`keys`], [`orders`], [`admin`],
+//! [`audit_seal`], [`ops`]),
 //! extractors ([`extract`]), request limits ([`limits`]), the error body
 //! ([`error`]) and the generated OpenAPI description ([`openapi`]). Handlers
 //! receive the services of [`AppState`] (the ledger, orders, the audit
 //! queries, the reconciler), never a pool or a Redis connection.
 
 pub mod admin;
+pub mod audit_seal;
 pub mod error;
 pub mod extract;
 pub mod keys;
@@ -27,6 +29,7 @@ use tracing::Instrument;
 use utoipa::ToSchema;
 
 use crate::admin::Admin;
+use crate::audit_seal::Seals;
 use crate::auth::Clients;
 use crate::config::LimitSettings;
 use crate::ledger::Ledger;
@@ -44,6 +47,8 @@ pub struct AppState {
     pub clients: Clients,
     /// Request limits checked before any I/O.
     pub limits: LimitSettings,
+    /// Sealed audit checkpoints (the last one, for the console).
+    pub seals: Seals,
 }
 
 /// The error body of every refusal.
@@ -94,6 +99,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .service(resource("/v1/admin/tokens/{token}/release").route(web::post().to(admin::release)))
         .service(resource("/v1/admin/keys/release").route(web::post().to(admin::release_key)))
         .service(resource("/v1/admin/audit").route(web::get().to(admin::audit)))
+        .service(resource("/v1/admin/audit/seal").route(web::get().to(audit_seal::last)))
         .service(resource("/v1/admin/stats").route(web::get().to(admin::stats)))
         .service(resource("/v1/admin/reconcile").route(web::post().to(admin::run_reconcile)))
         .service(resource("/v1/admin/reconcile/runs").route(web::get().to(admin::reconcile_runs)))

@@ -35,6 +35,8 @@
 //!   reconcile runs) for HTTP and CLI.
 //! - [`reconcile`]: compares the tiers and repairs divergence, one run at a time
 //!   (`reconcile/`: `run`, one file per phase, `report`, `metrics`).
+//! - [`audit_seal`]: sealed audit checkpoints: the job that chains and
+//!   authenticates new audit events, and `audit verify` (`audit_seal/chain.rs`: the arithmetic).
 //! - [`http`]: routes, extractors, errors, OpenAPI.
 //! - [`startup`]: building and running the service.
 //! - [`cli`]: the command line.
@@ -58,6 +60,7 @@
 //! straight to Postgres, fast types through `ledger/degraded.rs`.
 
 pub mod admin;
+pub mod audit_seal;
 pub mod auth;
 pub mod bloom;
 pub mod changes;

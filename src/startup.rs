@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::Admin;
+use crate::audit_seal::{self, Seals};
 use crate::auth::Clients;
 use crate::changes::Changes;
 use crate::config::Settings;
@@ -90,6 +91,10 @@ impl Application {
                     .register(Box::new(reconcile::conflict_metric(pools.admin.clone())))
             })
             .context("registering the reconcile metrics")?;
+        metrics
+            .registry
+            .register(Box::new(audit_seal::last_seal_metric(pools.admin.clone())))
+            .context("registering the audit seal metric")?;
         let fast = FastTier::new(settings.redis.clone(), metrics.clone(), clock.clone());
         // Cluster: a journal entry whose XADD failed goes to Postgres before
         // the answer (see `FastTier::append_or_queue`).
@@ -166,6 +171,9 @@ impl Application {
             tokio::spawn(prune_rate_limiters(ledger.clone(), shutdown.clone())),
             tokio::spawn(changes.listen(shutdown.clone())),
         ];
+        // Sealed audit checkpoints, on the admin pool (one instance at a time).
+        let seals = Seals::new(&settings.audit, pools.admin.clone());
+        tasks.push(tokio::spawn(seals.clone().run(shutdown.clone())));
         // The issued-token filter: listen, load, then keep listening. Start-up
         // waits for the first load (bounded): until then it fails open.
         let (bloom_ready, bloom_loaded) = tokio::sync::oneshot::channel();
@@ -212,6 +220,7 @@ impl Application {
             ),
             clients: Clients::new(settings.clients.clone()),
             limits: settings.limits.clone(),
+            seals,
         });
         let mut server = HttpServer::new(move || {
             App::new()

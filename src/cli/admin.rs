@@ -30,6 +30,9 @@ pub const EXIT_INCONSISTENT: u8 = 4;
 /// failing): unlike 1 (`audit token`: not found), it says nothing about the
 /// token.
 pub const EXIT_UNAVAILABLE: u8 = 5;
+/// Exit code of `audit verify` when a sealed checkpoint does not match its
+/// events, its chain or its MAC (API.md).
+pub const EXIT_SEAL_MISMATCH: u8 = 5;
 /// Exit code of an interrupted reconcile (SIGINT), as shells do.
 pub const EXIT_INTERRUPTED: u8 = 130;
 
@@ -104,6 +107,15 @@ pub enum AuditCommand {
     },
     /// Audit events, newest first.
     Events(EventsArgs),
+    /// Recompute the sealed audit checkpoints from the events and check each
+    /// one's MAC; print a JSON summary. Exit 0 when every one matches, 5
+    /// naming the first that does not, 1 when it could not run.
+    Verify {
+        /// Only the checkpoints sealed at or after T: a duration back from
+        /// now (24h, 30m, 7d) or an RFC 3339 time. Default: all.
+        #[arg(long, value_name = "T", value_parser = parse_time)]
+        since: Option<DateTime<Utc>>,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -287,7 +299,7 @@ pub async fn reconcile(settings: &Settings, args: ReconcileArgs) -> ExitCode {
 }
 
 /// `audit token` / `audit events`: 0 found, 1 not found, 2 usage,
-/// 5 could not ask.
+/// 5 could not ask; `audit verify`: see [`verify`].
 pub async fn audit(settings: &Settings, command: AuditCommand) -> ExitCode {
     let pools = match Pools::new(&settings.postgres) {
         Ok(p) => p,
@@ -348,9 +360,44 @@ pub async fn audit(settings: &Settings, command: AuditCommand) -> ExitCode {
             }
         }
         AuditCommand::Events(args) => events(&audit, args).await,
+        AuditCommand::Verify { since } => verify(settings, &pools, since).await,
     };
     pools.close().await;
     code
+}
+
+/// `audit verify`: 0 every checkpoint matches, 5 one does not (the first
+/// named on stderr, all of them in the JSON), 1 could not run.
+async fn verify(settings: &Settings, pools: &Pools, since: Option<DateTime<Utc>>) -> ExitCode {
+    let seals = crate::audit_seal::Seals::new(&settings.audit, pools.admin.clone());
+    match seals.verify(since).await {
+        Ok(report) => {
+            println!("{}", json(&report));
+            match report.mismatches.first() {
+                None => ExitCode::SUCCESS,
+                Some(m) => {
+                    eprintln!(
+                        "idempotency-ledger: audit checkpoint {} (sealed {}) does not match: {}{}",
+                        m.checkpoint,
+                        m.sealed_at,
+                        m.message,
+                        match report.mismatches.len() {
+                            1 => String::new(),
+                            n => format!(" ({} more mismatching checkpoint(s) in the JSON)", n - 1),
+                        }
+                    );
+                    ExitCode::from(EXIT_SEAL_MISMATCH)
+                }
+            }
+        }
+        Err(e) => {
+            eprintln!(
+                "idempotency-ledger: audit verify could not run: {:#}",
+                anyhow::Error::from(e)
+            );
+            ExitCode::from(1)
+        }
+    }
 }
 
 /// `audit events`: one page, or with `--all` every page, printed as it comes

@@ -22,9 +22,9 @@ mod tests;
 pub use parse::parse_duration;
 pub use redact::{redact, redact_url, REDACTED};
 pub use settings::{
-    BizSettings, BloomSettings, CaFile, Durability, Environment, FleetSettings, LimitSettings,
-    LogFormat, PostgresSettings, ReconcileSettings, RedisSettings, RedisTopology, ServerSettings,
-    Settings, SigningKey, TokenSettings,
+    AuditSettings, BizSettings, BloomSettings, CaFile, Durability, Environment, FleetSettings,
+    LimitSettings, LogFormat, PostgresSettings, ReconcileSettings, RedisSettings, RedisTopology,
+    SealKey, ServerSettings, Settings, SigningKey, TokenSettings,
 };
 
 /// The documented defaults, compiled into the binary.

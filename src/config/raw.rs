@@ -26,6 +26,14 @@ pub(super) struct Raw {
     #[serde(default)]
     pub(super) reconcile: RawReconcile,
     pub(super) fleet: RawFleet,
+    pub(super) audit: RawAudit,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAudit {
+    pub(super) seal_every: String,
+    pub(super) seal_keys: Vec<RawKey>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -58,6 +58,34 @@ pub struct Settings {
     pub biz: BTreeMap<BizType, BizSettings>,
     pub reconcile: ReconcileSettings,
     pub fleet: FleetSettings,
+    pub audit: AuditSettings,
+}
+
+/// Sealed audit checkpoints (see `crate::audit_seal`).
+#[derive(Debug, Clone)]
+pub struct AuditSettings {
+    /// How often the events written since the last checkpoint are sealed.
+    pub seal_every: Duration,
+    /// The first seals new checkpoints; every one verifies (rotation, as
+    /// `tokens.signing_keys`).
+    pub seal_keys: Vec<SealKey>,
+}
+
+/// A key that authenticates audit checkpoints (HMAC-SHA256). Its own type,
+/// not a [`SigningKey`]: a token signing key never seals, and the other way
+/// round. The secret never appears in `Debug` output.
+#[derive(Clone)]
+pub struct SealKey {
+    pub id: String,
+    pub secret: Vec<u8>,
+}
+
+impl fmt::Debug for SealKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SealKey")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
 }
 
 /// How the instances agree on Redis (see `crate::fleet`).
@@ -270,7 +298,10 @@ pub struct BizSettings {
 }
 
 /// Development secrets shipped in the default config; refused in production.
-pub(super) const DEV_SECRETS: &[&str] = &["development-only-signing-secret-0123456789"];
+pub(super) const DEV_SECRETS: &[&str] = &[
+    "development-only-signing-secret-0123456789",
+    "development-only-audit-seal-secret-0123456789",
+];
 
 impl Settings {
     pub fn biz(&self, biz: &BizType) -> Option<&BizSettings> {
@@ -283,6 +314,11 @@ impl Settings {
         for key in &self.tokens.signing_keys {
             if DEV_SECRETS.iter().any(|s| s.as_bytes() == key.secret) {
                 found.push(format!("tokens.signing_keys[{}]", key.id));
+            }
+        }
+        for key in &self.audit.seal_keys {
+            if DEV_SECRETS.iter().any(|s| s.as_bytes() == key.secret) {
+                found.push(format!("audit.seal_keys[{}]", key.id));
             }
         }
         for client in &self.clients {

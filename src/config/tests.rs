@@ -129,3 +129,74 @@ fn rates() {
     assert!(parse_rate("k", "0/s").is_err());
     assert!(parse_rate("k", "fast").is_err());
 }
+
+#[test]
+fn audit_seal_keys_are_checked_named_in_production_and_redacted() {
+    let s = Settings::load_with_env(None, Vec::new()).expect("defaults");
+    assert_eq!(s.audit.seal_every, Duration::from_secs(60));
+    assert_eq!(s.audit.seal_keys.len(), 1);
+    assert_eq!(s.audit.seal_keys[0].id, "a1");
+    assert!(
+        !format!("{:?}", s.audit).contains("development-only"),
+        "Debug never shows a seal secret"
+    );
+    assert!(s
+        .development_secrets_in_use()
+        .contains(&"audit.seal_keys[a1]".to_owned()));
+
+    for (toml, key) in [
+        ("[audit]\nseal_keys = []", "audit.seal_keys"),
+        (
+            "[audit]\nseal_keys = [{ id = \"a2\", secret = \"short\" }]",
+            "audit.seal_keys[0].secret",
+        ),
+        (
+            "[audit]\nseal_keys = [{ id = \"not an id\", secret = \"0123456789abcdef0123456789abcdef\" }]",
+            "audit.seal_keys[0].id",
+        ),
+        (
+            "[audit]\nseal_keys = [{ id = \"a2\", secret = \"0123456789abcdef0123456789abcdef\" }, { id = \"a2\", secret = \"fedcba9876543210fedcba9876543210\" }]",
+            "audit.seal_keys[1].id",
+        ),
+        ("[audit]\nseal_every = \"10ms\"", "audit.seal_every"),
+        ("[audit]\nseal_every = \"often\"", "audit.seal_every"),
+    ] {
+        let err = Settings::from_toml_over_defaults(toml).unwrap_err();
+        assert!(err.to_string().contains(key), "{toml}: {err}");
+    }
+
+    // Production: a replaced seal key is fine, the development one is named.
+    let prod_keys = r#"
+        env = "production"
+        [tokens]
+        signing_keys = [{ id = "k9", secret = "a-production-signing-secret-of-32-bytes" }]
+        [[clients]]
+        name = "only"
+        role = "admin"
+        key_sha256 = "0000000000000000000000000000000000000000000000000000000000000000"
+        "#;
+    let err = Settings::from_toml_over_defaults(prod_keys).unwrap_err();
+    assert!(err.to_string().contains("audit.seal_keys[a1]"), "{err}");
+    let s = Settings::from_toml_over_defaults(&format!(
+        "{prod_keys}\n[audit]\nseal_keys = [{{ id = \"a2\", secret = \"a-production-seal-secret-of-32-bytes!\" }}, {{ id = \"a1\", secret = \"development-only-audit-seal-secret-0123456789\" }}]"
+    ))
+    .unwrap_err();
+    assert!(
+        s.to_string().contains("audit.seal_keys[a1]"),
+        "a development key kept for verifying is refused too: {s}"
+    );
+    let ok = Settings::from_toml_over_defaults(&format!(
+        "{prod_keys}\n[audit]\nseal_keys = [{{ id = \"a2\", secret = \"a-production-seal-secret-of-32-bytes!\" }}]"
+    ))
+    .expect("production with its own seal key");
+    assert_eq!(ok.audit.seal_keys[0].id, "a2");
+
+    // `config check` prints no seal secret.
+    let (_, table) = Settings::effective_with_env(None, Vec::new()).expect("effective");
+    let printed = toml::to_string(&table).expect("toml");
+    assert!(
+        !printed.contains("development-only-audit-seal"),
+        "{printed}"
+    );
+    assert!(printed.contains(REDACTED), "{printed}");
+}

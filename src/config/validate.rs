@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use super::invalid;
 use super::parse::{is_key_id, parse_duration, parse_rate};
-use super::raw::{Raw, RawBloom, RawLimits};
+use super::raw::{Raw, RawAudit, RawBloom, RawLimits};
 use super::settings::{
-    BizSettings, BloomSettings, CaFile, Environment, FleetSettings, LimitSettings,
-    PostgresSettings, ReconcileSettings, RedisSettings, RedisTopology, ServerSettings, Settings,
-    SigningKey, TokenSettings,
+    AuditSettings, BizSettings, BloomSettings, CaFile, Environment, FleetSettings, LimitSettings,
+    PostgresSettings, ReconcileSettings, RedisSettings, RedisTopology, SealKey, ServerSettings,
+    Settings, SigningKey, TokenSettings,
 };
 use super::ConfigError;
 use crate::auth::Client;
@@ -57,6 +57,53 @@ impl RawBloom {
             ));
         }
         Ok(settings)
+    }
+}
+
+impl RawAudit {
+    pub(super) fn validate(self) -> Result<AuditSettings, ConfigError> {
+        let seal_every = parse_duration("audit.seal_every", &self.seal_every)?;
+        if seal_every < Duration::from_millis(100) || seal_every > Duration::from_secs(86_400) {
+            return Err(invalid(
+                "audit.seal_every",
+                "must be between 100ms and 1d, e.g. 1m",
+            ));
+        }
+        if self.seal_keys.is_empty() {
+            return Err(invalid(
+                "audit.seal_keys",
+                "at least one key is required (the first seals, all verify)",
+            ));
+        }
+        let mut seal_keys: Vec<SealKey> = Vec::new();
+        for (i, k) in self.seal_keys.into_iter().enumerate() {
+            if !is_key_id(&k.id) {
+                return Err(invalid(
+                    format!("audit.seal_keys[{i}].id"),
+                    "must be 1 to 16 characters of [A-Za-z0-9-]",
+                ));
+            }
+            if k.secret.len() < 32 {
+                return Err(invalid(
+                    format!("audit.seal_keys[{i}].secret"),
+                    "must be at least 32 bytes",
+                ));
+            }
+            if seal_keys.iter().any(|s| s.id == k.id) {
+                return Err(invalid(
+                    format!("audit.seal_keys[{i}].id"),
+                    "duplicate key id",
+                ));
+            }
+            seal_keys.push(SealKey {
+                id: k.id,
+                secret: k.secret.into_bytes(),
+            });
+        }
+        Ok(AuditSettings {
+            seal_every,
+            seal_keys,
+        })
     }
 }
 
@@ -353,6 +400,7 @@ impl Raw {
         };
         let bloom = self.bloom.validate(tokens.retention)?;
         let limits = self.limits.validate()?;
+        let audit = self.audit.validate()?;
 
         let mut biz = BTreeMap::new();
         for (name, b) in self.biz {
@@ -457,6 +505,7 @@ impl Raw {
             clients,
             biz,
             fleet,
+            audit,
             reconcile: ReconcileSettings {
                 batch_size: self.reconcile.batch_size,
             },

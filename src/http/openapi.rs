@@ -5,7 +5,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{ObjectBuilder, RefOr, ResponseBuilder, Type};
 use utoipa::{Modify, OpenApi};
 
-use super::{admin, keys, ops, orders, tokens, ErrorBody};
+use super::{admin, audit_seal, keys, ops, orders, tokens, ErrorBody};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -14,6 +14,7 @@ use super::{admin, keys, ops, orders, tokens, ErrorBody};
         description = "Exactly-once tokens for payment-grade requests. Errors are always {\"error\": code, \"message\": text}. Checks apply in this order: request limits (414, 431), authentication (401), the client's request ceiling (429 rate_limited with Retry-After), request shape (413, 415, 400; JSON nested deeper than 32 is 400), token validity (400 token_invalid: a bad tag, or a token the fleet never issued), biz type known (422), biz type granted (403), then the operation. Answers that repeat an earlier one carry `Idempotent-Replayed: true`."
     ),
     paths(
+        audit_seal::last,
         tokens::issue, tokens::generate, tokens::consume, tokens::result, tokens::release,
         keys::consume, keys::result, keys::release, keys::get,
         tokens::state,
@@ -22,6 +23,7 @@ use super::{admin, keys, ops, orders, tokens, ErrorBody};
         admin::token, admin::key, admin::release, admin::release_key, admin::audit, admin::stats, admin::run_reconcile, admin::reconcile_runs,
     ),
     components(schemas(
+        crate::audit_seal::CheckpointView,
         ErrorBody, crate::domain::TokenStatus, crate::domain::AuditKind,
         crate::domain::order::OrderState, crate::health::Mode, crate::ledger::AnswerOutcome,
         crate::ledger::DuplicateStatus, tokens::IssueRequest, tokens::IssueResponse, tokens::GenerateResponse,

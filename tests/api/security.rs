@@ -935,6 +935,7 @@ fn production_refuses_the_development_config_through_the_binary() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     for named in [
         "tokens.signing_keys[dev1]",
+        "audit.seal_keys[a1]",
         "clients[payments]",
         "clients[refunds]",
         "clients[reconciler]",

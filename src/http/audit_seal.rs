@@ -1,0 +1,33 @@
+//! `GET /v1/admin/audit/seal`: the newest sealed audit checkpoint (role
+//! admin), for the console's "last seal" (see [`crate::audit_seal`]).
+
+use actix_web::{web, HttpResponse};
+
+use super::admin::AdminCaller;
+use super::error::ApiError;
+use super::AppState;
+use crate::audit_seal::CheckpointView;
+
+/// The newest sealed audit checkpoint, or `null` before the first seal.
+/// `audit verify` recomputes every checkpoint; this only shows the last one.
+#[utoipa::path(get, path = "/v1/admin/audit/seal", tag = "admin",
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "The newest checkpoint, or null when nothing is sealed yet", body = Option<CheckpointView>),
+        (status = 401, description = "unauthorized", body = super::ErrorBody),
+        (status = 403, description = "forbidden: not an admin", body = super::ErrorBody),
+        (status = 503, description = "unavailable: Postgres cannot be reached", body = super::ErrorBody),
+    ))]
+pub async fn last(
+    state: web::Data<AppState>,
+    AdminCaller(_): AdminCaller,
+) -> Result<HttpResponse, ApiError> {
+    // Postgres errors answer as on every admin route: 503 `unavailable`
+    // with Retry-After when it cannot be reached, 500 otherwise.
+    let last = state
+        .seals
+        .last()
+        .await
+        .map_err(|e| ApiError::from(crate::ledger::LedgerError::postgres(e)))?;
+    Ok(HttpResponse::Ok().json(last))
+}
