@@ -3,7 +3,7 @@
 
 use actix_web::{web, HttpResponse};
 
-use super::admin::AdminCaller;
+use super::admin::ReaderCaller;
 use super::error::ApiError;
 use super::AppState;
 use crate::audit_seal::CheckpointView;
@@ -15,12 +15,12 @@ use crate::audit_seal::CheckpointView;
     responses(
         (status = 200, description = "The newest checkpoint, or null when nothing is sealed yet", body = Option<CheckpointView>),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
-        (status = 403, description = "forbidden: not an admin", body = super::ErrorBody),
+        (status = 403, description = "forbidden: not an admin or auditor", body = super::ErrorBody),
         (status = 503, description = "unavailable: Postgres cannot be reached", body = super::ErrorBody),
     ))]
 pub async fn last(
     state: web::Data<AppState>,
-    AdminCaller(_): AdminCaller,
+    ReaderCaller(_): ReaderCaller,
 ) -> Result<HttpResponse, ApiError> {
     // Postgres errors answer as on every admin route: 503 `unavailable`
     // with Retry-After when it cannot be reached, 500 otherwise.
