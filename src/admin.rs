@@ -4,6 +4,7 @@
 //! the recorded reconcile runs ([`runs`]).
 //! Reads the admin pool only; SQL lives in [`crate::durable::admin`].
 
+pub mod order;
 pub mod runs;
 
 use std::collections::BTreeMap;

@@ -94,6 +94,12 @@ pub enum AuditCommand {
         /// The key.
         key: String,
     },
+    /// One order and every audit event that names it, oldest first, as
+    /// JSON (exit 1 when there is no such order).
+    Order {
+        /// The order id.
+        order_id: String,
+    },
     /// Past reconcile runs, newest first, each with its whole report, as
     /// JSON (`GET /v1/admin/reconcile/runs`).
     ReconcileRuns {
@@ -350,6 +356,17 @@ pub async fn audit(settings: &Settings, command: AuditCommand) -> ExitCode {
                 },
             }
         }
+        AuditCommand::Order { order_id } => match audit.order(&order_id).await {
+            Ok(Some(view)) => {
+                println!("{}", json(&view));
+                ExitCode::SUCCESS
+            }
+            Ok(None) => {
+                eprintln!("idempotency-ledger: no order {order_id}");
+                ExitCode::from(1)
+            }
+            Err(e) => fail(e),
+        },
         AuditCommand::ReconcileRuns { limit, cursor } => {
             match audit.reconcile_runs(limit, cursor.as_deref()).await {
                 Ok(page) => {

@@ -458,3 +458,90 @@ async fn health_exits_0_while_the_service_answers_and_1_when_it_does_not() {
     let out = bin(&["health", "--url", "https://127.0.0.1/readyz"], &[]).await;
     assert_eq!(out.status.code(), Some(2), "usage");
 }
+
+/// `audit order`, `audit key` and `audit reconcile-runs`: the admin views of
+/// an order (with its events, oldest first), a client key, and the recorded
+/// reconcile runs, as JSON; an unknown order or key exits 1.
+#[tokio::test]
+async fn audit_order_key_and_reconcile_runs_print_the_admin_views() {
+    let app = spawn_app().await;
+    let config = cli_config(&app.stores);
+    let order = json!({"order_id": "o-audit-cli", "subject": "u-a", "amount_minor": 500, "currency": "EUR"});
+    assert_eq!(app.post(PAYMENTS, "/v1/orders", &order).await.status(), 201);
+    let token = app.issue(PAYMENTS, "order", "u-a").await;
+    let r = app
+        .post(
+            PAYMENTS,
+            "/v1/orders/o-audit-cli/pay",
+            &json!({"token": token}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let key = json!({"biz_type": "order", "key": "k-cli", "subject": "u-a"});
+    assert_eq!(
+        app.post(PAYMENTS, "/v1/keys/consume", &key).await.status(),
+        200
+    );
+
+    let out = cli(&config, &["audit", "order", "o-audit-cli"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let view: Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(view["state"], "PAID");
+    let kinds: Vec<&str> = view["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter_map(|e| e["kind"].as_str())
+        .collect();
+    assert_eq!(kinds, ["order.created", "order.paid"], "{view}");
+    let out = cli(&config, &["audit", "order", "no-such-order"]).await;
+    assert_eq!(out.status.code(), Some(1));
+
+    let out = cli(
+        &config,
+        &[
+            "audit",
+            "key",
+            "--client",
+            "payments",
+            "--biz-type",
+            "order",
+            "k-cli",
+        ],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let view: Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(
+        (view["key"].as_str(), view["state"].as_str()),
+        (Some("k-cli"), Some("consumed"))
+    );
+    let out = cli(
+        &config,
+        &[
+            "audit",
+            "key",
+            "--client",
+            "refunds",
+            "--biz-type",
+            "order",
+            "k-cli",
+        ],
+    )
+    .await;
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "another client's equal key is another key"
+    );
+
+    let out = cli(&config, &["reconcile", "--dry-run"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let out = cli(&config, &["audit", "reconcile-runs", "--limit", "5"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let page: Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(page["runs"].as_array().map(Vec::len), Some(1), "{page}");
+    assert_eq!(page["runs"][0]["dry_run"], true);
+    assert!(page["runs"][0]["inconsistent_orders"].is_array());
+    app.stop().await;
+}
