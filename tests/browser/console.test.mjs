@@ -32,7 +32,10 @@ const CHROMIUM = process.env.CHROMIUM ?? '/usr/bin/chromium';
 const CHROMIUM_ARGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
   '--disable-background-networking', '--disable-component-update', '--disable-sync'];
 
-const ADMIN_KEY = process.env.CONSOLE_TEST_KEY ?? 'dev-admin-key';
+// The key the test logs into the console with, and the key of its own
+// setup (an operator's release, a reconcile run) and API reads.
+const CONSOLE_KEY = process.env.CONSOLE_TEST_KEY ?? 'dev-admin-key';
+const ADMIN_KEY = 'dev-admin-key';
 const SERVICE_KEY = 'dev-payments-key';
 const SUBJECT = 'user-42';
 
@@ -228,7 +231,7 @@ async function shot(p, name) {
   await p.screenshot({ path: path.join(SHOTS, `${name}.png`) });
 }
 
-async function login(p, key = ADMIN_KEY) {
+async function login(p, key = CONSOLE_KEY) {
   await p.goto(`${base}/console`);
   await p.locator('#view-login').waitFor();
   await p.fill('#api-key', key);
@@ -282,12 +285,12 @@ test('log in: a wrong key and a service key are refused, an admin key opens the 
   await page.fill('#api-key', '');
   await shot(page, 'login');
 
-  await page.fill('#api-key', ADMIN_KEY);
+  await page.fill('#api-key', CONSOLE_KEY);
   await page.click('#login-form button[type=submit]');
   await page.locator('#view-lookup').waitFor();
   assert.ok(await page.locator('#nav').isVisible());
   const stored = await page.evaluate(() => ({ session: Object.values(sessionStorage), local: localStorage.length }));
-  assert.deepEqual(stored, { session: [ADMIN_KEY], local: 0 });
+  assert.deepEqual(stored, { session: [CONSOLE_KEY], local: 0 });
 });
 
 test('a token: its state and its events, consumed by which request, with its result', async () => {
@@ -436,6 +439,17 @@ test('a section whose endpoint answers 404 or 403 says "not available"', async (
   await page.locator('#panel-uncertain .unavailable', { hasText: 'Not available' }).waitFor();
   await page.locator('#panel-runs .unavailable', { hasText: 'Not available to this key' }).waitFor();
   assert.equal(await page.locator('svg[data-chart=duplicate-rate] g.bar[data-biz=order] text.value').textContent(), '50.0 %');
+
+  // An order record the key may not read: the story comes from the audit trail.
+  await page.route('**/v1/orders/**', (r) => r.fulfill({ status: 403, contentType: 'application/json',
+    body: JSON.stringify({ error: 'forbidden', message: 'no' }) }));
+  await page.goto(`${base}/console#/lookup/order/${made.order}`);
+  const order = page.locator('[data-story=order]');
+  await order.waitFor();
+  assert.equal(await order.locator('h3 .badge').textContent(), 'PAID');
+  assert.match(await order.locator('.unavailable').textContent(), /403 forbidden/);
+  assert.match(await order.locator('.facts').textContent(), /1,000 CNY/);
+  assert.equal(await order.locator('.timeline .event').count(), 2);
   await page.unrouteAll();
 });
 
@@ -446,7 +460,10 @@ test('on a phone: the pages fit the width', async () => {
     await phone.locator('#view-lookup').waitFor();
     await phone.goto(`${base}/console#/lookup/token/${made.consumed}`);
     await phone.locator('[data-story=token] .timeline').waitFor();
-    const fits = () => phone.evaluate(() => document.documentElement.scrollWidth <= window.innerWidth);
+    // Nothing but a table's own scroll box is wider than the phone.
+    const fits = () => phone.evaluate((width) => document.documentElement.scrollWidth <= width
+      && [...document.querySelectorAll('header, main, .view, .card, .chart')]
+        .every((e) => e.getBoundingClientRect().right <= width + 0.5), 390);
     assert.ok(await fits(), 'the token page is wider than the phone');
     await shot(phone, 'phone-lookup-token');
     await phone.click('#nav a[data-view=dashboard]');
@@ -463,6 +480,20 @@ test('forgetting the key returns to the login and clears the tab', async () => {
   await page.locator('#view-login').waitFor();
   assert.equal(await page.evaluate(() => sessionStorage.length), 0);
   assert.ok(await page.locator('#nav').isHidden());
+});
+
+test('the Content-Security-Policy is enforced, and a violation would be caught', async () => {
+  const seen = pageErrors.length;
+  const refused = page.waitForEvent('console', (m) => /Content Security Policy/.test(m.text()));
+  await page.evaluate(() => {
+    const el = document.createElement('script');
+    el.textContent = 'window.injected = true';
+    document.body.append(el);
+  });
+  await refused;
+  assert.equal(await page.evaluate(() => window.injected), undefined, 'an inline script ran');
+  assert.ok(pageErrors.slice(seen).some((e) => /Content Security Policy/.test(e)), 'the violation was not recorded');
+  pageErrors.splice(seen); // the one this test caused
 });
 
 test('no script error and no Content-Security-Policy violation on any page', () => {

@@ -240,7 +240,10 @@ function lookupTarget(title) {
   clear(out, h('p', { class: 'muted' }, `Loading ${title}…`));
   const seq = ++lookupSeq;
   return (...children) => {
-    if (seq === lookupSeq) clear(out, ...children);
+    if (seq !== lookupSeq) return;
+    clear(out, ...children);
+    // On a phone the forms fill the screen: bring the answer up.
+    if (out.getBoundingClientRect().top > window.innerHeight * 0.6) out.scrollIntoView({ block: 'start' });
   };
 }
 
@@ -342,18 +345,39 @@ async function lookupOrder(id) {
   const o = order.ok ? order.body : null;
   const events = audit.ok ? [...audit.body.events].reverse() : [];
   show(h('article', { class: 'card story', 'data-story': 'order' },
-    h('h3', {}, 'Order ', h('span', { class: 'mono' }, id), ' ', o ? stateBadge(o.state) : ''),
+    h('h3', {}, 'Order ', h('span', { class: 'mono' }, id), ' ', stateBadge(o ? o.state : orderStateFrom(events))),
     o ? facts([
       ['subject', o.subject],
       ['amount', `${fmtMinor(o.amount_minor)} ${o.currency}`],
       ['refunded', `${fmtMinor(o.refunded_minor)} ${o.currency}`],
       ['created', fmtTime(o.created_at)],
       ['updated', fmtTime(o.updated_at)],
-    ]) : h('p', { class: 'error' }, `The order itself: ${errorText(order)}`),
+    ]) : [
+      notice(`The order record is not readable (${errorText(order)}); the summary is read from its audit events.`, 'unavailable'),
+      orderFactsFrom(events),
+    ],
     audit.ok
       ? [timeline(events),
         audit.body.next_cursor ? notice('More than 1000 events: the oldest are not shown; use the audit trail with this order id.') : null]
       : h('p', { class: 'error' }, `Its audit events: ${errorText(audit)}`)));
+}
+
+/** The state after the last order event that names one (`order.created` alone: CREATED). */
+function orderStateFrom(events) {
+  const withState = events.filter((e) => e.detail?.state);
+  if (withState.length) return withState[withState.length - 1].detail.state;
+  return events.some((e) => e.kind === 'order.created') ? 'CREATED' : 'unknown';
+}
+
+function orderFactsFrom(events) {
+  const created = events.find((e) => e.kind === 'order.created');
+  const last = events[events.length - 1];
+  return facts([
+    ['subject', created?.subject ?? last?.subject ?? null],
+    ['amount', created?.detail?.amount_minor !== undefined ? `${fmtMinor(created.detail.amount_minor)} ${created.detail.currency ?? ''}` : null],
+    ['created', fmtTime(created?.at)],
+    ['updated', fmtTime(last?.at)],
+  ]);
 }
 
 function fmtMinor(n) {
@@ -396,11 +420,11 @@ function describe(ev) {
     }
     case 'token.result':
     case 'key.result':
-      parts = ['result recorded ', d.by ? by() : [], reason(), ': ', h('code', { class: 'json' }, json(take('result')))];
+      parts = ['result recorded', d.by ? [' ', by()] : [], reason(), ': ', h('code', { class: 'json' }, json(take('result')))];
       break;
     case 'token.released':
     case 'key.released':
-      parts = ['released ', by(), reason(), d.by === 'lease' ? ' (its processing lease ran out)' : ''];
+      parts = ['released', d.by || ev.client ? [' ', by()] : [], reason(), d.by === 'lease' ? ' (its processing lease ran out)' : ''];
       break;
     case 'token.uncertain':
     case 'key.uncertain':
@@ -611,18 +635,38 @@ function renderStats(res) {
   clear(counts, countChart(rows), statsTable(rows));
 }
 
+/** The rate axis: at least 10 %, room above the highest bar, 2 to 5 round steps. */
+export function rateAxis(maxRate) {
+  const want = Math.min(1, Math.max(0.1, maxRate * 1.1));
+  const step = [0.02, 0.05, 0.1, 0.2, 0.25].find((st) => Math.ceil(want / st - 1e-9) <= 5) ?? 0.25;
+  return { top: Math.min(1, Math.ceil(want / step - 1e-9) * step), step };
+}
+
+/** A count axis: whole round steps (1, 2, 5, 10, 20, 50, ...), at most 5 of them. */
+export function countAxis(max) {
+  let step = 1;
+  for (let p = 1; ; p *= 10) {
+    const st = [1, 2, 5].map((f) => f * p).find((c) => Math.ceil(max / c) <= 5);
+    if (st) {
+      step = st;
+      break;
+    }
+  }
+  return { top: Math.max(step, Math.ceil(max / step) * step), step };
+}
+
 /** Bars of the duplicate rate per biz type, with the 5 % alert line. */
 function rateChart(rows) {
   const W = 640;
   const H = 240;
   const m = { l: 48, r: 12, t: 14, b: 36 };
-  const maxRate = Math.max(0.1, ...rows.map((r) => r.duplicate_rate));
-  const top = Math.min(1, Math.ceil(maxRate * 1.1 * 20) / 20); // next 5 % step
+  const { top, step } = rateAxis(Math.max(...rows.map((r) => r.duplicate_rate), 0));
   const y = (v) => m.t + (H - m.t - m.b) * (1 - v / top);
   const bw = (W - m.l - m.r) / Math.max(rows.length, 1);
   const svg = s('svg', { viewBox: `0 0 ${W} ${H}`, class: 'chart', role: 'img', 'data-chart': 'duplicate-rate',
     'aria-label': `Duplicate rate per biz type; alert line at 5 %` });
-  for (let v = 0; v <= top + 1e-9; v += top / 4) {
+  for (let i = 0; i * step <= top + 1e-9; i++) {
+    const v = i * step;
     svg.append(s('line', { x1: m.l, x2: W - m.r, y1: y(v), y2: y(v), class: 'gridline' }),
       s('text', { x: m.l - 6, y: y(v) + 4, 'text-anchor': 'end', class: 'axis' }, `${Math.round(v * 100)} %`));
   }
@@ -651,16 +695,15 @@ function countChart(rows) {
   const H = 220;
   const m = { l: 56, r: 12, t: 24, b: 36 };
   const series = [['issued', 'issued'], ['consumed', 'consumes'], ['duplicates', 'duplicates']];
-  const max = Math.max(1, ...rows.flatMap((r) => series.map(([k]) => r[k])));
-  const y = (v) => m.t + (H - m.t - m.b) * (1 - v / max);
+  const { top, step } = countAxis(Math.max(1, ...rows.flatMap((r) => series.map(([k]) => r[k]))));
+  const y = (v) => m.t + (H - m.t - m.b) * (1 - v / top);
   const gw = (W - m.l - m.r) / Math.max(rows.length, 1);
   const bw = (gw * 0.7) / series.length;
   const svg = s('svg', { viewBox: `0 0 ${W} ${H}`, class: 'chart', role: 'img', 'data-chart': 'counts',
     'aria-label': 'Issued, consumes and duplicates per biz type' });
-  for (let i = 0; i <= 4; i++) {
-    const v = (max * i) / 4;
+  for (let v = 0; v <= top; v += step) {
     svg.append(s('line', { x1: m.l, x2: W - m.r, y1: y(v), y2: y(v), class: 'gridline' }),
-      s('text', { x: m.l - 6, y: y(v) + 4, 'text-anchor': 'end', class: 'axis' }, Number.isInteger(v) ? fmtInt(v) : v.toFixed(1)));
+      s('text', { x: m.l - 6, y: y(v) + 4, 'text-anchor': 'end', class: 'axis' }, fmtInt(v)));
   }
   rows.forEach((r, i) => {
     const x0 = m.l + i * gw + gw * 0.15;
