@@ -3,7 +3,8 @@
 // Starts the ledger binary (LEDGER_BIN, else <repo>/target/debug/idempotency-ledger)
 // against a fresh database `ledger_t_<hex>` and a fresh Redis key prefix,
 // makes a known history over HTTP (a token consumed once and once more as a
-// duplicate, a token released by an operator, a client key, a paid order),
+// duplicate, a token released by an operator, a client key, an order paid
+// and its payment presented again),
 // then drives the console: log in, look the token, key and order up, filter,
 // page and export the audit trail, read the dashboard's duplicate rate.
 //
@@ -162,7 +163,7 @@ async function stopLedger() {
   if (tmp) await rm(tmp, { recursive: true, force: true });
 }
 
-/** A known history: order duplicate rate 1 / (1 + 1) = 50 %. */
+/** A known history: the order biz type's duplicate rate is 2 / (2 + 2) = 50 %. */
 async function makeHistory() {
   const issue = (biz) => ok('POST', '/v1/tokens', { body: { biz_type: biz, subject: SUBJECT } });
 
@@ -187,12 +188,16 @@ async function makeHistory() {
   made.key = 'refund-msg-000731';
   await ok('POST', '/v1/keys/consume', { body: { biz_type: 'refund', key: made.key, subject: SUBJECT, request_id: 'req-k-1' } });
 
-  // An order paid with a refund-type token, so the order biz type keeps its known rate.
+  // An order paid once, and the same payment presented again (a duplicate,
+  // which stats count like a duplicate consume).
   made.order = 'ord-1001';
   await ok('POST', '/v1/orders', { body: { order_id: made.order, subject: SUBJECT, amount_minor: 1000, currency: 'CNY' } });
-  made.payToken = (await issue('refund')).token;
+  made.payToken = (await issue('order')).token;
   const paid = await ok('POST', `/v1/orders/${made.order}/pay`, { body: { token: made.payToken, request_id: 'req-pay-1' } });
+  assert.equal(paid.outcome, 'applied');
   assert.equal(paid.order.state, 'PAID');
+  const again = await ok('POST', `/v1/orders/${made.order}/pay`, { body: { token: made.payToken, request_id: 'req-pay-2' } });
+  assert.equal(again.outcome, 'duplicate');
 
   // A reconcile run (recorded where the server keeps the history).
   await ok('POST', '/v1/admin/reconcile', { key: ADMIN_KEY, body: {} });
@@ -202,8 +207,8 @@ async function makeHistory() {
   for (;;) {
     const st = await ok('GET', '/v1/admin/stats?window=1h', { key: ADMIN_KEY });
     const o = st.biz_types.order;
-    if (o.consumed === 1 && o.duplicates === 1) break;
-    assert.ok(Date.now() < deadline, `stats never showed order 1 consumed + 1 duplicate: ${JSON.stringify(st)}`);
+    if (o.consumed === 2 && o.duplicates === 2) break;
+    assert.ok(Date.now() < deadline, `stats never showed order 2 consumed + 2 duplicates: ${JSON.stringify(st)}`);
     await sleep(500);
   }
 }
