@@ -217,6 +217,7 @@ async function makeHistory() {
 
 async function newPage(options) {
   const context = await browser.newContext({ acceptDownloads: true, ...options });
+  context.setDefaultTimeout(15000); // a missing element fails in 15 s, not 30
   const p = await context.newPage();
   p.on('pageerror', (e) => pageErrors.push(`pageerror: ${e.message}`));
   p.on('console', (m) => {
