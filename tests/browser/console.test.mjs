@@ -33,10 +33,13 @@ const CHROMIUM = process.env.CHROMIUM ?? '/usr/bin/chromium';
 const CHROMIUM_ARGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
   '--disable-background-networking', '--disable-component-update', '--disable-sync'];
 
-// The key the test logs into the console with, and the key of its own
-// setup (an operator's release, a reconcile run) and API reads.
-const CONSOLE_KEY = process.env.CONSOLE_TEST_KEY ?? 'dev-admin-key';
+// The key of the test's own setup (an operator's release, a reconcile run)
+// and API reads, and the key it logs into the console with: CONSOLE_TEST_KEY,
+// else the development auditor key where the server has one (a read-only
+// role), else the admin key.
 const ADMIN_KEY = 'dev-admin-key';
+const AUDITOR_KEY = 'dev-auditor-key';
+let CONSOLE_KEY;
 const SERVICE_KEY = 'dev-payments-key';
 const SUBJECT = 'user-42';
 
@@ -244,9 +247,17 @@ async function login(p, key = CONSOLE_KEY) {
   await p.click('#login-form button[type=submit]');
 }
 
+async function pickConsoleKey() {
+  if (process.env.CONSOLE_TEST_KEY) return process.env.CONSOLE_TEST_KEY;
+  const r = await http('GET', '/v1/admin/audit?limit=1', { key: AUDITOR_KEY });
+  return r.status === 200 ? AUDITOR_KEY : ADMIN_KEY;
+}
+
 before(async () => {
   await startLedger();
   await makeHistory();
+  CONSOLE_KEY = await pickConsoleKey();
+  console.log(`# the console is used with ${CONSOLE_KEY}`);
   browser = await chromium.launch({ executablePath: CHROMIUM, args: CHROMIUM_ARGS });
   page = await newPage({ viewport: { width: 1280, height: 800 } });
 });
