@@ -257,7 +257,7 @@ before(async () => {
   await startLedger();
   await makeHistory();
   CONSOLE_KEY = await pickConsoleKey();
-  console.log(`# the console is used with ${CONSOLE_KEY}`);
+  console.log(`the console is used with ${CONSOLE_KEY}`);
   browser = await chromium.launch({ executablePath: CHROMIUM, args: CHROMIUM_ARGS });
   page = await newPage({ viewport: { width: 1280, height: 800 } });
 });
