@@ -202,6 +202,10 @@ async function makeHistory() {
   const again = await ok('POST', `/v1/orders/${made.order}/pay`, { body: { token: made.payToken, request_id: 'req-pay-2' } });
   assert.equal(again.outcome, 'duplicate');
 
+  // A subject that is markup and a spreadsheet formula.
+  made.hostile = '=1+1 <img src=x onerror="window.pwned=1">';
+  made.hostileToken = (await ok('POST', '/v1/tokens', { body: { biz_type: 'like', subject: made.hostile } })).token;
+
   // A reconcile run (recorded where the server keeps the history).
   await ok('POST', '/v1/admin/reconcile', { key: ADMIN_KEY, body: {} });
 
@@ -412,6 +416,19 @@ test('the audit trail: filters, pages, and exports what is shown as CSV and NDJS
   assert.match(ndDownload.suggestedFilename(), /^audit-.*\.ndjson$/);
   const nd = (await readFile(await ndDownload.path(), 'utf8')).trimEnd().split('\n').map((l) => JSON.parse(l));
   assert.deepEqual(nd, all.events.slice(0, 6));
+
+  // Values are text: markup is shown, not run; a formula is escaped in CSV.
+  await page.fill('#f-subject', made.hostile);
+  await page.fill('#f-limit', '');
+  await page.click('#audit-form button[type=submit]');
+  await page.locator('#audit-table tbody tr[data-kind="token.issued"]').waitFor();
+  await page.waitForFunction(() => document.querySelectorAll('#audit-table tbody tr').length === 1);
+  assert.equal(await page.locator('#audit-table tbody tr td:nth-child(3)').textContent(), made.hostile);
+  assert.equal(await page.locator('#audit-table img').count(), 0);
+  assert.equal(await page.evaluate(() => window.pwned), undefined);
+  const [hostileCsv] = await Promise.all([page.waitForEvent('download'), page.click('#export-csv')]);
+  const row = (await readFile(await hostileCsv.path(), 'utf8')).split('\r\n')[1];
+  assert.ok(row.includes(`,"'=1+1 <img src=x onerror=""window.pwned=1"">",`), row);
 });
 
 test('the dashboard: duplicate rate per biz type against the 5 % line, the fleet, the queues', async () => {
