@@ -464,6 +464,31 @@ test('the dashboard: duplicate rate per biz type against the 5 % line, the fleet
   await shot(page, 'dashboard');
 });
 
+test('the uncertain queue and the reconcile runs as API.md shapes them (stubbed answers)', async () => {
+  const at = new Date().toISOString();
+  await page.route('**/v1/admin/uncertain*', (r) => r.fulfill({ status: 200, contentType: 'application/json',
+    body: JSON.stringify({ items: [{ token: made.consumed, client: 'payments', biz_type: 'order', subject: SUBJECT,
+      consumed_at: at, request_id: 'req-lost-1', uncertain_since: at }], next_cursor: null }) }));
+  const classes = { redis_live_but_consumed: 0, redis_missing_but_live: 0, stale_provisional: 0, journal_not_durable: 0,
+    order_inconsistent: 1, expired_purgeable: 2, redis_consumed_but_live: 0, redis_ahead_of_postgres: 0 };
+  await page.route('**/v1/admin/reconcile/runs*', (r) => r.fulfill({ status: 200, contentType: 'application/json',
+    body: JSON.stringify({ runs: [{ id: '7', started_at: at, finished_at: at, dry_run: false, scanned: { tokens: 12, orders: 3 },
+      found: classes, repaired: { ...classes, order_inconsistent: 0 }, inconsistent_orders: [made.order],
+      order_problems: [{ order_id: made.order, problems: ['paid without its token consumed'] }],
+      redis_ahead_of_postgres: [], interrupted: false, errors: [] }], next_cursor: null }) }));
+  await page.click('#dash-form button[type=submit]');
+  const uncertain = page.locator('#panel-uncertain tbody tr');
+  await uncertain.waitFor();
+  assert.equal(await uncertain.locator('a.token').textContent(), made.consumed);
+  assert.match(await uncertain.textContent(), /req-lost-1/);
+  const run = page.locator('#panel-runs tbody tr');
+  await run.waitFor();
+  assert.equal(await run.getAttribute('class'), 'over');
+  assert.match(await run.textContent(), /12 tokens, 3 orders.*order_inconsistent: 1.*expired_purgeable: 2/s);
+  assert.match(await run.locator('td:last-child').textContent(), /ord-1001: paid without its token consumed/);
+  await page.unrouteAll();
+});
+
 test('a section whose endpoint answers 404 or 403 says "not available"', async () => {
   await page.route('**/v1/admin/uncertain*', (r) => r.fulfill({ status: 404, contentType: 'application/json',
     body: JSON.stringify({ error: 'not_found', message: 'no such route' }) }));

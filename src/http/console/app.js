@@ -794,19 +794,22 @@ function renderRuns(res) {
     h('tbody', {}, runs.map((r) => {
       const found = nonZero(r.found);
       const repaired = nonZero(r.repaired);
-      const orders = r.inconsistent_orders ?? [];
+      // `inconsistent_orders`: ids, with their problems in `order_problems`
+      // (a report straight from a run has objects with both).
+      const problems = new Map((r.order_problems ?? []).map((o) => [o.order_id, o.problems ?? []]));
+      const orders = (r.inconsistent_orders ?? []).map((o) => (typeof o === 'string'
+        ? { order_id: o, problems: problems.get(o) ?? [] }
+        : { order_id: o.order_id, problems: o.problems ?? [] }));
       const errors = r.errors ?? [];
       return h('tr', { class: r.found?.order_inconsistent || errors.length ? 'over' : '' },
         h('td', { class: 'nowrap' }, fmtTime(r.finished_at ?? r.started_at)),
         h('td', {}, r.dry_run ? 'dry run' : 'run', r.interrupted ? [' ', h('span', { class: 'badge state-uncertain' }, 'interrupted')] : null,
           errors.map((e) => h('div', { class: 'error' }, e))),
-        h('td', {}, `${fmtInt(r.scanned?.tokens)} tokens, ${fmtInt(r.scanned?.orders)} orders`),
+        h('td', {}, r.scanned ? `${fmtInt(r.scanned.tokens)} tokens, ${fmtInt(r.scanned.orders)} orders` : '—'),
         h('td', {}, found.length ? found.map(([k, n]) => h('span', { class: 'chip' }, `${k}: ${n}`)) : 'nothing'),
         h('td', {}, repaired.length ? repaired.map(([k, n]) => h('span', { class: 'chip' }, `${k}: ${n}`)) : '—'),
         h('td', {}, orders.length
-          ? orders.map((o) => (typeof o === 'string'
-            ? [orderLink(o), ' ']
-            : h('div', {}, orderLink(o.order_id), (o.problems ?? []).length ? [': ', o.problems.join(', ')] : null)))
+          ? orders.map((o) => h('div', {}, orderLink(o.order_id), o.problems.length ? [': ', o.problems.join(', ')] : null))
           : '—'));
     })))));
 }
