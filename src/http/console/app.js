@@ -550,11 +550,11 @@ function renderAudit() {
     return h('tr', { 'data-id': ev.id, 'data-kind': ev.kind },
       h('td', { class: 'nowrap' }, h('time', { datetime: ev.at }, fmtTime(ev.at))),
       h('td', {}, h('span', { class: 'badge kind' }, ev.kind)),
-      h('td', {}, ev.subject ?? ''),
-      h('td', {}, ev.biz_type ?? ''),
+      h('td', { class: 'subject' }, ev.subject ?? ''),
+      h('td', { class: 'nowrap' }, ev.biz_type ?? ''),
       h('td', {}, ev.token ? tokenLink(ev.token) : keyLink(ev.client, ev.biz_type, key)),
-      h('td', {}, orderLink(ev.order_id)),
-      h('td', {}, ev.client ?? ''),
+      h('td', { class: 'nowrap' }, orderLink(ev.order_id)),
+      h('td', { class: 'nowrap' }, ev.client ?? ''),
       h('td', {}, h('code', { class: 'json' }, json(ev.detail ?? {}))));
   }));
   table.hidden = false;
