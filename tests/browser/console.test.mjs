@@ -119,6 +119,8 @@ admin_pool_size = 1
 [redis]
 url = "redis://127.0.0.1:6379/3"
 key_prefix = "${PREFIX}"
+[audit]
+seal_every = "1s"
 `);
   base = `http://127.0.0.1:${port}`;
   ledger = spawn(bin, ['--config', config, 'serve'], { stdio: ['ignore', 'pipe', 'pipe'] });
@@ -209,7 +211,8 @@ async function makeHistory() {
   // A reconcile run (recorded where the server keeps the history).
   await ok('POST', '/v1/admin/reconcile', { key: ADMIN_KEY, body: {} });
 
-  // The counters reach Postgres within a few seconds.
+  // The counters reach Postgres within a few seconds (and the audit seal,
+  // every second here, covers the history by then).
   const deadline = Date.now() + 20000;
   for (;;) {
     const st = await ok('GET', '/v1/admin/stats?window=1h', { key: ADMIN_KEY });
@@ -217,6 +220,12 @@ async function makeHistory() {
     if (o.consumed === 2 && o.duplicates === 2) break;
     assert.ok(Date.now() < deadline, `stats never showed order 2 consumed + 2 duplicates: ${JSON.stringify(st)}`);
     await sleep(500);
+  }
+  for (;;) {
+    const seal = await http('GET', '/v1/admin/audit/seal', { key: ADMIN_KEY });
+    if (seal.status !== 200 || seal.body) break;
+    assert.ok(Date.now() < deadline, 'no audit checkpoint sealed within 20 s');
+    await sleep(300);
   }
 }
 
@@ -238,10 +247,10 @@ async function newPage(options) {
   return p;
 }
 
-async function shot(p, name) {
+async function shot(p, name, options = {}) {
   if (!UPDATE_SCREENSHOTS) return;
   await mkdir(SHOTS, { recursive: true });
-  await p.screenshot({ path: path.join(SHOTS, `${name}.png`) });
+  await p.screenshot({ path: path.join(SHOTS, `${name}.png`), ...options });
 }
 
 async function login(p, key = CONSOLE_KEY) {
@@ -453,6 +462,14 @@ test('the dashboard: duplicate rate per biz type against the 5 % line, the fleet
   assert.equal(await page.locator('svg[data-chart=counts] rect[data-biz=order][data-series=duplicates]').count(), 1);
   assert.match(await page.locator('#panel-rate .alert').textContent(), /order/);
 
+  // The audit seal: sealed within a second or two of the history.
+  const seal = await http('GET', '/v1/admin/audit/seal', { key: ADMIN_KEY });
+  if (seal.status === 200) {
+    await page.locator('#panel-seal [data-checkpoint]').waitFor();
+  } else {
+    await page.locator('#panel-seal .unavailable').waitFor();
+  }
+
   await page.locator('#panel-fleet [data-mode=normal]').waitFor();
   await page.locator('#panel-fleet [data-fleet=normal]').waitFor();
   // The uncertain queue and the reconcile history: shown, or "not available"
@@ -461,7 +478,14 @@ test('the dashboard: duplicate rate per biz type against the 5 % line, the fleet
     await page.waitForFunction((sel) => !document.querySelector(`${sel} .body`).textContent.includes('Loading'), panel);
     assert.equal(await page.locator(`${panel} .error`).count(), 0, await page.locator(panel).textContent());
   }
+  const runs = await http('GET', '/v1/admin/reconcile/runs', { key: ADMIN_KEY });
+  if (runs.status === 200) {
+    // The run the setup made, found nothing to do on this fresh history.
+    assert.equal(await page.locator('#panel-runs tbody tr').count(), runs.body.runs.length);
+    assert.ok(runs.body.runs.length >= 1);
+  }
   await shot(page, 'dashboard');
+  await shot(page, 'dashboard-full', { fullPage: true });
 });
 
 test('the uncertain queue and the reconcile runs as API.md shapes them (stubbed answers)', async () => {

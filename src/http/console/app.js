@@ -600,16 +600,18 @@ async function loadDashboard(ev) {
   ev?.preventDefault();
   loaded.dashboard = true;
   const windowText = $('#d-window').value;
-  const panels = ['rate', 'counts', 'fleet', 'uncertain', 'runs'].map((p) => $(`#panel-${p} .body`));
+  const panels = ['rate', 'counts', 'fleet', 'seal', 'uncertain', 'runs'].map((p) => $(`#panel-${p} .body`));
   for (const p of panels) clear(p, notice('Loading…'));
-  const [stats, ready, uncertain, runs] = await Promise.all([
+  const [stats, ready, seal, uncertain, runs] = await Promise.all([
     api(`/v1/admin/stats${query({ window: windowText })}`),
     api('/readyz', { auth: false }),
+    api('/v1/admin/audit/seal'),
     api('/v1/admin/uncertain?limit=50'),
     api('/v1/admin/reconcile/runs?limit=10'),
   ]);
   renderStats(stats);
   renderFleet(ready);
+  renderSeal(seal);
   renderUncertain(uncertain);
   renderRuns(runs);
   $('#dash-updated').textContent = `updated ${fmtTime(new Date().toISOString())}`;
@@ -751,6 +753,28 @@ function renderFleet(res) {
       ['members', f.members !== undefined ? `${f.members} (${f.redis_down_members ?? 0} report Redis down)` : undefined],
       ['Redis decides here', f.redis_decides_here !== undefined ? (f.redis_decides_here ? 'yes' : 'no') : undefined],
     ]));
+}
+
+function renderSeal(res) {
+  const el = $('#panel-seal .body');
+  if (!res.ok) {
+    clear(el, unavailable(res, 'audit seal'));
+    return;
+  }
+  const c = res.body;
+  if (!c) {
+    clear(el, notice('Nothing sealed yet.'));
+    return;
+  }
+  clear(el,
+    facts([
+      ['last checkpoint', h('span', { 'data-checkpoint': c.id }, `#${c.id}`)],
+      ['sealed', fmtTime(c.sealed_at)],
+      ['events', `${fmtInt(c.events)} (ids ${c.first_event_id} to ${c.last_event_id})`],
+      ['digest', h('span', { class: 'mono', title: c.digest }, `${String(c.digest).slice(0, 16)}…`)],
+    ]),
+    h('p', { class: 'muted' }, 'Events after this checkpoint are sealed by the next one. ',
+      h('code', {}, 'idempotency-ledger audit verify'), ' recomputes every checkpoint and names the first that no longer matches.'));
 }
 
 function renderUncertain(res) {
