@@ -1,5 +1,5 @@
 //! The HTTP surface of API.md: routes ([`tokens`], [`keys`], [`orders`], [`admin`],
-//! [`audit_seal`], [`ops`]),
+//! [`audit_seal`], [`ops`], the web [`console`]),
 //! extractors ([`extract`]), request limits ([`limits`]), the error body
 //! ([`error`]) and the generated OpenAPI description ([`openapi`]). Handlers
 //! receive the services of [`AppState`] (the ledger, orders, the audit
@@ -7,6 +7,7 @@
 
 pub mod admin;
 pub mod audit_seal;
+pub mod console;
 pub mod error;
 pub mod extract;
 pub mod keys;
@@ -79,6 +80,9 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .service(resource("/readyz").route(web::get().to(ops::readyz)))
         .service(resource("/metrics").route(web::get().to(ops::metrics)))
         .service(resource("/openapi.json").route(web::get().to(ops::openapi)))
+        .service(resource("/console").route(web::get().to(console::index)))
+        .service(resource("/console/").route(web::get().to(console::index)))
+        .service(resource("/console/{asset}").route(web::get().to(console::file)))
         .service(resource("/api/token/generate").route(web::get().to(tokens::generate)))
         .service(resource("/v1/tokens").route(web::post().to(tokens::issue)))
         .service(resource("/v1/tokens/{token}").route(web::get().to(tokens::state)))
