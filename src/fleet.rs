@@ -12,9 +12,13 @@
 //! view of Redis changes:
 //! - **Going down.** Before an instance reports "Redis down" it closes its
 //!   gate, waits for the Redis decisions in flight, and writes the fast
-//!   consumes Redis decided for it recently to Postgres (as the journal
-//!   would), so that when the fleet turns `redis_down`, Postgres knows every
-//!   consume an instance answered.
+//!   consumes Redis decided for it that are not known to be in Postgres to
+//!   Postgres (as the journal would), so that when the fleet turns
+//!   `redis_down`, Postgres knows every consume an instance answered. A
+//!   decision is known to be in Postgres once the journal stream was seen
+//!   empty after it (checked every heartbeat), however long a Postgres
+//!   outage kept it there; with 200,000 decisions not known to be there,
+//!   Redis stops deciding on the instance until the journal catches up.
 //! - **Agreeing.** Reports are serialised by the fleet row's lock; the
 //!   report that finds every member seen within the member timeout
 //!   (`fleet.lease + redis.timeout + 1s`) reporting down turns the fleet to
@@ -61,10 +65,9 @@ use crate::token::Clock;
 /// A journal entry's fields.
 type Fields = Vec<(&'static str, String)>;
 
-/// How long a fast consume Redis decided is kept for the going-down flush
-/// (the journal has long applied it by then).
-const RECENT_KEEP: Duration = Duration::from_secs(30);
-/// At most this many of them are kept.
+/// At most this many fast consumes Redis decided are kept for the
+/// going-down flush; with that many not yet known to be in Postgres, Redis
+/// stops deciding here until the journal has caught up.
 const RECENT_LIMIT: usize = 200_000;
 
 /// This instance's view of the fleet, as of its last report.
@@ -188,9 +191,13 @@ pub struct Fleet {
     /// Held shared by every Redis decision in flight; exclusively by the
     /// going-down flush, which so waits for them.
     deciding: tokio::sync::RwLock<()>,
-    /// Fast consumes Redis decided for this instance lately, as journal
-    /// entries.
+    /// Fast consumes Redis decided for this instance that are not known to
+    /// be in Postgres yet, as journal entries: kept until the journal
+    /// stream was seen empty after them, however long that takes.
     recent: Mutex<VecDeque<(Instant, Fields)>>,
+    /// `recent` holds `RECENT_LIMIT` entries: the gate stays closed until
+    /// the journal catches up.
+    recent_full: AtomicBool,
     nudge: tokio::sync::Notify,
     metrics: FleetMetrics,
 }
@@ -258,6 +265,7 @@ impl Fleet {
             closing: AtomicBool::new(true),
             deciding: tokio::sync::RwLock::new(()),
             recent: Mutex::new(VecDeque::new()),
+            recent_full: AtomicBool::new(false),
             nudge: tokio::sync::Notify::new(),
             metrics: FleetMetrics::new(metrics),
         }
@@ -284,7 +292,7 @@ impl Fleet {
             return None;
         }
         let held = self.deciding.try_read().ok()?;
-        if self.closing.load(Ordering::SeqCst) {
+        if self.closing.load(Ordering::SeqCst) || self.recent_full.load(Ordering::SeqCst) {
             return None;
         }
         // Peers count a member for `member_timeout` after its last report
@@ -299,16 +307,35 @@ impl Fleet {
     /// Records a fast consume Redis decided (its journal entry, with the
     /// time and generation), for the going-down flush.
     pub fn decided_in_redis(&self, _gate: &RedisGate<'_>, entry: Fields) {
-        let now = Instant::now();
         let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
-        while recent
-            .front()
-            .is_some_and(|(at, _)| now.duration_since(*at) > RECENT_KEEP)
-            || recent.len() >= RECENT_LIMIT
-        {
+        recent.push_back((Instant::now(), entry));
+        if recent.len() >= RECENT_LIMIT {
+            self.recent_full.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// The journal stream (and this instance's backlog of entries not yet
+    /// appended) was empty after `probe`: every decision recorded before
+    /// it is in Postgres (an entry leaves the stream once Postgres has it,
+    /// and was appended before its decision was recorded here), so the
+    /// going-down flush no longer needs it.
+    fn journal_drained_before(&self, probe: Instant) {
+        let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        while recent.front().is_some_and(|(at, _)| *at < probe) {
             recent.pop_front();
         }
-        recent.push_back((now, entry));
+        if recent.len() < RECENT_LIMIT {
+            self.recent_full.store(false, Ordering::SeqCst);
+        }
+    }
+
+    /// Looks whether the journal is drained (one `XLEN`), see
+    /// [`Self::journal_drained_before`].
+    async fn note_journal_progress(&self) {
+        let probe = Instant::now();
+        if self.fast.journal_backlog_len() == 0 && matches!(self.fast.journal_len().await, Ok(0)) {
+            self.journal_drained_before(probe);
+        }
     }
 
     /// The epoch at which Postgres may decide a fast type now, or `None`
@@ -370,6 +397,9 @@ impl Fleet {
             self.fast.check().await;
         }
         let up = !self.fast.is_down();
+        if up {
+            self.note_journal_progress().await;
+        }
         if !up && !self.go_down().await {
             // Postgres did not take the flush: it is failing for us too.
             self.view.send_modify(|v| v.pg_failing = true);
@@ -468,6 +498,7 @@ impl Fleet {
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .clear();
+                self.recent_full.store(false, Ordering::SeqCst);
                 true
             }
             Err(e) => {
