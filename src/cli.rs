@@ -21,6 +21,7 @@ pub mod admin;
 pub mod client;
 pub mod config_check;
 pub mod health;
+pub mod remote;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -66,6 +67,11 @@ pub enum Command {
     /// What happened to a token, a user or an order (exit 5: could not ask;
     /// `audit verify`: 5 a sealed checkpoint does not match, 1 could not run).
     Audit {
+        /// Ask this ledger's admin API (e.g. http://127.0.0.1:8080) instead
+        /// of Postgres, with the API key (role auditor or admin) in the
+        /// environment variable LEDGER_API_KEY. Not for `audit verify`.
+        #[arg(long, global = true, value_name = "URL")]
+        url: Option<String>,
         #[command(subcommand)]
         what: admin::AuditCommand,
     },
@@ -154,7 +160,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 Ok(ExitCode::SUCCESS)
             }
             Command::Reconcile(args) => Ok(admin::reconcile(&settings, args).await),
-            Command::Audit { what } => Ok(admin::audit(&settings, what).await),
+            Command::Audit { url, what } => Ok(admin::audit(&settings, url, what).await),
             Command::Config { .. } | Command::Client { .. } | Command::Health(_) => {
                 unreachable!("handled before the configuration is loaded")
             }
