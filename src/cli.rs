@@ -10,8 +10,9 @@
 //! - 2: usage or configuration error, naming the problem;
 //! - 3: `reconcile`: another run holds the lock;
 //! - 4: `reconcile --fail-on-inconsistent`: finished and found `order_inconsistent`;
-//! - 5: `audit token`, `audit events`: could not ask (Postgres unreachable or
-//!   failing); `audit verify`: a sealed checkpoint does not match (an event
+//! - 5: `audit token`, `audit events`, ...: could not ask (Postgres unreachable
+//!   or failing; with `--url`, nothing listening, a timeout or a 5xx: a 401
+//!   or 403 is 2, a 404 is 1); `audit verify`: a sealed checkpoint does not match (an event
 //!   edited, deleted or inserted into its range, a checkpoint changed or
 //!   removed, a MAC that does not verify, an unknown seal key id), the first
 //!   one named on stderr, all of them in the JSON summary;
