@@ -62,7 +62,20 @@ impl Remote {
                     "audit --url needs an API key (role auditor or admin) in the environment variable {API_KEY_ENV}"
                 ))
             })?;
+        let loopback = match base.host() {
+            Some(url::Host::Domain(d)) => d.eq_ignore_ascii_case("localhost"),
+            Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+            Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+            None => false,
+        };
+        if base.scheme() == "http" && !loopback {
+            eprintln!(
+                "idempotency-ledger: warning: --url is plain http: the API key crosses the network unencrypted"
+            );
+        }
+        // No redirects: the key goes to the URL given, nowhere else.
         let http = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(Duration::from_secs(10))
             .timeout(Duration::from_secs(60))
             .user_agent(concat!(
@@ -97,6 +110,11 @@ impl Remote {
                 RemoteError::Unavailable(format!("could not ask {shown}: {}", error_chain(&e)))
             })?;
         let status = response.status();
+        let location = response
+            .headers()
+            .get(reqwest::header::LOCATION)
+            .and_then(|l| l.to_str().ok())
+            .map(str::to_owned);
         let body = response.bytes().await.map_err(|e| {
             RemoteError::Unavailable(format!("{shown}: reading the answer: {}", error_chain(&e)))
         })?;
@@ -117,6 +135,10 @@ impl Remote {
         let message = format!("{shown} answered {status}: {said}");
         Err(match status.as_u16() {
             404 => RemoteError::NotFound(message),
+            300..=399 => RemoteError::Usage(format!(
+                "{message} (redirected to {}; redirects are not followed: give that URL)",
+                location.as_deref().unwrap_or("-")
+            )),
             400..=499 => RemoteError::Usage(message),
             _ => RemoteError::Unavailable(message),
         })
