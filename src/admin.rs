@@ -13,7 +13,7 @@ use std::time::Duration;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine;
 use chrono::{DateTime, SecondsFormat, TimeZone, Utc};
-use serde::Serialize;
+use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value as Json;
 use sqlx::PgPool;
 use utoipa::ToSchema;
@@ -55,15 +55,48 @@ pub fn time(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Millis, true)
 }
 
+/// One of `known`, read back from the API's JSON (`audit --url`): the views
+/// keep their fixed texts as `&'static str`.
+fn known_str<'de, D: Deserializer<'de>>(
+    d: D,
+    known: impl IntoIterator<Item = &'static str>,
+) -> Result<&'static str, D::Error> {
+    let text = String::deserialize(d)?;
+    known
+        .into_iter()
+        .find(|k| *k == text)
+        .ok_or_else(|| serde::de::Error::custom(format!("unknown value `{text}`")))
+}
+
+/// A fixed text of a view (a kind, a state). An alias, so that serde's
+/// derive does not take the field for one borrowed from the input.
+pub type FixedText = &'static str;
+
+pub(crate) fn de_kind<'de, D: Deserializer<'de>>(d: D) -> Result<&'static str, D::Error> {
+    known_str(d, AuditKind::ALL.map(AuditKind::as_str))
+}
+
+pub(crate) fn de_token_state<'de, D: Deserializer<'de>>(d: D) -> Result<&'static str, D::Error> {
+    known_str(d, TokenStatus::ALL.map(TokenStatus::as_str))
+}
+
+pub(crate) fn de_order_state<'de, D: Deserializer<'de>>(d: D) -> Result<&'static str, D::Error> {
+    known_str(
+        d,
+        crate::domain::order::OrderState::ALL.map(crate::domain::order::OrderState::as_str),
+    )
+}
+
 /// One audit event as the API shows it.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct AuditEvent {
     /// The event id, as a string.
     #[schema(example = "1042")]
     pub id: String,
     pub at: String,
     #[schema(value_type = crate::domain::AuditKind, example = "token.consumed")]
-    pub kind: &'static str,
+    #[serde(deserialize_with = "de_kind")]
+    pub kind: FixedText,
     pub token: Option<String>,
     pub subject: Option<String>,
     pub biz_type: Option<String>,
@@ -90,7 +123,7 @@ impl From<EventRow> for AuditEvent {
 }
 
 /// `GET /v1/admin/tokens/{token}` and `audit token`.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct TokenView {
     pub token: String,
     pub biz_type: String,
@@ -99,7 +132,8 @@ pub struct TokenView {
     /// `issued`, `consumed` or `expired` (never consumed and past its expiry,
     /// or purged after retention).
     #[schema(value_type = crate::domain::TokenStatus, example = "consumed")]
-    pub state: &'static str,
+    #[serde(deserialize_with = "de_token_state")]
+    pub state: FixedText,
     pub issued_at: String,
     pub expires_at: String,
     pub consumed_at: Option<String>,
@@ -115,7 +149,7 @@ pub struct TokenView {
 
 /// `GET /v1/admin/keys`: the token view's shape, with `key` and `client`
 /// instead of `token`.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct KeyView {
     pub key: String,
     pub client: String,
@@ -124,8 +158,9 @@ pub struct KeyView {
     pub subject: Option<String>,
     /// `issued` (released, consumable again), `consumed`, or `expired`
     /// (forgotten after retention: only its audit events remain).
-    #[schema(example = "consumed")]
-    pub state: &'static str,
+    #[schema(value_type = String, example = "consumed")]
+    #[serde(deserialize_with = "de_token_state")]
+    pub state: FixedText,
     /// Its first consume.
     pub issued_at: Option<String>,
     pub consumed_at: Option<String>,
@@ -294,7 +329,10 @@ pub struct AuditQuery {
     pub subject: Option<String>,
     pub biz_type: Option<String>,
     pub order_id: Option<String>,
-    pub kind: Option<AuditKind>,
+    /// The acting or owning client (`audit_events.client`).
+    pub client: Option<String>,
+    /// Any of these kinds; empty: any kind.
+    pub kinds: Vec<AuditKind>,
     pub since: Option<DateTime<Utc>>,
     pub until: Option<DateTime<Utc>>,
     pub limit: u32,
@@ -322,7 +360,7 @@ pub fn parse_kind(text: &str) -> Result<AuditKind, AdminError> {
 }
 
 /// `GET /v1/admin/audit` and `audit events --format json`.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct AuditPage {
     pub events: Vec<AuditEvent>,
     /// Pass as `cursor` for the next (older) page; null at the end.
@@ -361,7 +399,8 @@ async fn audit(pool: &PgPool, query: &AuditQuery) -> Result<AuditPage, AdminErro
         subject: query.subject.clone(),
         biz_type: query.biz_type.clone(),
         order_id: query.order_id.clone(),
-        kind: query.kind,
+        client: query.client.clone(),
+        kinds: query.kinds.clone(),
         since: query.since,
         until: query.until,
         before,

@@ -10,8 +10,9 @@
 //! - 2: usage or configuration error, naming the problem;
 //! - 3: `reconcile`: another run holds the lock;
 //! - 4: `reconcile --fail-on-inconsistent`: finished and found `order_inconsistent`;
-//! - 5: `audit token`, `audit events`: could not ask (Postgres unreachable or
-//!   failing); `audit verify`: a sealed checkpoint does not match (an event
+//! - 5: `audit token`, `audit events`, ...: could not ask (Postgres unreachable
+//!   or failing; with `--url`, nothing listening, a timeout or a 5xx: a 401
+//!   or 403 is 2, a 404 is 1); `audit verify`: a sealed checkpoint does not match (an event
 //!   edited, deleted or inserted into its range, a checkpoint changed or
 //!   removed, a MAC that does not verify, an unknown seal key id), the first
 //!   one named on stderr, all of them in the JSON summary;
@@ -21,6 +22,7 @@ pub mod admin;
 pub mod client;
 pub mod config_check;
 pub mod health;
+pub mod remote;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -66,6 +68,11 @@ pub enum Command {
     /// What happened to a token, a user or an order (exit 5: could not ask;
     /// `audit verify`: 5 a sealed checkpoint does not match, 1 could not run).
     Audit {
+        /// Ask this ledger's admin API (e.g. http://127.0.0.1:8080) instead
+        /// of Postgres, with the API key (role auditor or admin) in the
+        /// environment variable LEDGER_API_KEY. Not for `audit verify`.
+        #[arg(long, global = true, value_name = "URL")]
+        url: Option<String>,
         #[command(subcommand)]
         what: admin::AuditCommand,
     },
@@ -154,7 +161,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 Ok(ExitCode::SUCCESS)
             }
             Command::Reconcile(args) => Ok(admin::reconcile(&settings, args).await),
-            Command::Audit { what } => Ok(admin::audit(&settings, what).await),
+            Command::Audit { url, what } => Ok(admin::audit(&settings, url, what).await),
             Command::Config { .. } | Command::Client { .. } | Command::Health(_) => {
                 unreachable!("handled before the configuration is loaded")
             }

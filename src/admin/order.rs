@@ -1,18 +1,19 @@
 //! One order's story for auditors (`audit order ORDER_ID`): the order as
 //! Postgres holds it and every audit event that names it, oldest first.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::{time, Admin, AdminError, AuditEvent, AuditQuery, MAX_LIMIT};
 use crate::durable::orders as sql;
 
 /// An order and its audit events.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct OrderView {
     pub order_id: String,
     pub client: String,
     pub subject: String,
-    pub state: &'static str,
+    #[serde(deserialize_with = "super::de_order_state")]
+    pub state: super::FixedText,
     pub amount_minor: i64,
     pub refunded_minor: i64,
     pub currency: String,

@@ -2,7 +2,7 @@
 //! first, one page at a time (`GET /v1/admin/reconcile/runs`,
 //! `audit reconcile-runs`).
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value as Json};
 use utoipa::ToSchema;
 
@@ -15,7 +15,7 @@ pub const DEFAULT_RUNS: u32 = 20;
 pub const MAX_RUNS: u32 = 100;
 
 /// One page of recorded runs.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct RunsPage {
     /// Newest first: each the report of `POST /v1/admin/reconcile` with its
     /// `id`, `inconsistent_orders` as the orders' ids and their problems in

@@ -1,6 +1,7 @@
 //! The `reconcile` and `audit` subcommands: they talk to Postgres (admin
 //! pool) and Redis directly, with the same code as the HTTP admin routes, and
-//! print JSON, text, tables or CSV.
+//! print JSON, text, tables or CSV. `audit --url` asks a running ledger's
+//! admin API instead ([`super::remote`]) and prints the same.
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -12,6 +13,7 @@ use clap::{Args, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio_util::sync::CancellationToken;
 
+use super::remote::{Remote, RemoteError};
 use crate::admin::{self, Admin, AdminError, AuditEvent, AuditPage, AuditQuery, TokenView};
 use crate::config::Settings;
 use crate::domain::AuditKind;
@@ -115,7 +117,8 @@ pub enum AuditCommand {
     Events(EventsArgs),
     /// Recompute the sealed audit checkpoints from the events and check each
     /// one's MAC; print a JSON summary. Exit 0 when every one matches, 5
-    /// naming the first that does not, 1 when it could not run.
+    /// naming the first that does not, 1 when it could not run. Reads the
+    /// database only (it needs the seal keys): not with --url.
     Verify {
         /// Only the checkpoints sealed at or after T: a duration back from
         /// now (24h, 30m, 7d) or an RFC 3339 time. Default: all.
@@ -132,9 +135,12 @@ pub struct EventsArgs {
     pub biz_type: Option<String>,
     #[arg(long)]
     pub order_id: Option<String>,
-    /// An audit kind, e.g. token.consumed.
-    #[arg(long, value_parser = kind_parser())]
-    pub kind: Option<AuditKind>,
+    /// The acting or owning client's name (the events' `client`).
+    #[arg(long)]
+    pub client: Option<String>,
+    /// An audit kind, e.g. token.consumed; repeat for any of several.
+    #[arg(long = "kind", value_name = "KIND", value_parser = kind_parser())]
+    pub kinds: Vec<AuditKind>,
     /// A duration back from now (24h, 30m, 7d) or an RFC 3339 time; inclusive.
     #[arg(long, value_name = "T", value_parser = parse_time)]
     pub since: Option<DateTime<Utc>>,
@@ -304,9 +310,88 @@ pub async fn reconcile(settings: &Settings, args: ReconcileArgs) -> ExitCode {
     }
 }
 
-/// `audit token` / `audit events`: 0 found, 1 not found, 2 usage,
-/// 5 could not ask; `audit verify`: see [`verify`].
-pub async fn audit(settings: &Settings, command: AuditCommand) -> ExitCode {
+/// Where the `audit` subcommands ask: Postgres, or a ledger's admin API.
+enum Source {
+    Db(Admin),
+    Http(Remote),
+}
+
+/// Why a question got no answer, from either source.
+enum Failure {
+    Db(AdminError),
+    Http(RemoteError),
+}
+
+impl From<AdminError> for Failure {
+    fn from(e: AdminError) -> Failure {
+        Failure::Db(e)
+    }
+}
+
+impl From<RemoteError> for Failure {
+    fn from(e: RemoteError) -> Failure {
+        Failure::Http(e)
+    }
+}
+
+impl Source {
+    async fn token(&self, token: &str) -> Result<TokenView, Failure> {
+        match self {
+            Source::Db(a) => Ok(a.token(token).await?),
+            Source::Http(r) => Ok(r.token(token).await?),
+        }
+    }
+    async fn key(
+        &self,
+        client: &str,
+        biz: &crate::domain::BizType,
+        key: &crate::domain::key::ClientKey,
+    ) -> Result<admin::KeyView, Failure> {
+        match self {
+            Source::Db(a) => Ok(a.key(client, biz, key).await?),
+            Source::Http(r) => Ok(r.key(client, &biz.to_string(), key.as_str()).await?),
+        }
+    }
+    async fn order(&self, order_id: &str) -> Result<Option<admin::order::OrderView>, Failure> {
+        match self {
+            Source::Db(a) => Ok(a.order(order_id).await?),
+            Source::Http(r) => Ok(r.order(order_id).await?),
+        }
+    }
+    async fn reconcile_runs(
+        &self,
+        limit: u32,
+        cursor: Option<&str>,
+    ) -> Result<admin::runs::RunsPage, Failure> {
+        match self {
+            Source::Db(a) => Ok(a.reconcile_runs(limit, cursor).await?),
+            Source::Http(r) => Ok(r.reconcile_runs(limit, cursor).await?),
+        }
+    }
+    async fn audit(&self, query: &AuditQuery) -> Result<AuditPage, Failure> {
+        match self {
+            Source::Db(a) => Ok(a.audit(query).await?),
+            Source::Http(r) => Ok(r.audit(query).await?),
+        }
+    }
+}
+
+/// `audit token` / `audit events` / ...: 0 found, 1 not found, 2 usage,
+/// 5 could not ask; `audit verify`: see [`verify`]. With `url`, every
+/// subcommand but `verify` asks that ledger's admin API.
+pub async fn audit(settings: &Settings, url: Option<String>, command: AuditCommand) -> ExitCode {
+    if let Some(url) = url {
+        if matches!(command, AuditCommand::Verify { .. }) {
+            eprintln!(
+                "idempotency-ledger: audit verify reads the database only (it needs the seal keys); drop --url"
+            );
+            return ExitCode::from(2);
+        }
+        return match Remote::new(&url) {
+            Ok(remote) => audit_from(&Source::Http(remote), command).await,
+            Err(e) => fail(e),
+        };
+    }
     let pools = match Pools::new(&settings.postgres) {
         Ok(p) => p,
         Err(e) => {
@@ -314,8 +399,22 @@ pub async fn audit(settings: &Settings, command: AuditCommand) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let audit = Admin::new(settings, pools.admin.clone());
     let code = match command {
+        AuditCommand::Verify { since } => verify(settings, &pools, since).await,
+        other => {
+            audit_from(
+                &Source::Db(Admin::new(settings, pools.admin.clone())),
+                other,
+            )
+            .await
+        }
+    };
+    pools.close().await;
+    code
+}
+
+async fn audit_from(audit: &Source, command: AuditCommand) -> ExitCode {
+    match command {
         AuditCommand::Token { token, format } => match audit.token(&token).await {
             Ok(view) => {
                 let table = format
@@ -376,11 +475,9 @@ pub async fn audit(settings: &Settings, command: AuditCommand) -> ExitCode {
                 Err(e) => fail(e),
             }
         }
-        AuditCommand::Events(args) => events(&audit, args).await,
-        AuditCommand::Verify { since } => verify(settings, &pools, since).await,
-    };
-    pools.close().await;
-    code
+        AuditCommand::Events(args) => events(audit, args).await,
+        AuditCommand::Verify { .. } => unreachable!("audit verify is run by `audit`"),
+    }
 }
 
 /// `audit verify`: 0 every checkpoint matches, 5 one does not (the first
@@ -419,7 +516,7 @@ async fn verify(settings: &Settings, pools: &Pools, since: Option<DateTime<Utc>>
 
 /// `audit events`: one page, or with `--all` every page, printed as it comes
 /// (JSON keeps the shape of one page: `{"events": [...], "next_cursor": null}`).
-async fn events(audit: &Admin, args: EventsArgs) -> ExitCode {
+async fn events(audit: &Source, args: EventsArgs) -> ExitCode {
     let format = args.format.unwrap_or(if stdout_is_terminal() {
         EventsFormat::Table
     } else {
@@ -429,7 +526,17 @@ async fn events(audit: &Admin, args: EventsArgs) -> ExitCode {
         subject: args.subject,
         biz_type: args.biz_type,
         order_id: args.order_id,
-        kind: args.kind,
+        client: args.client,
+        kinds: {
+            let mut kinds = args.kinds;
+            let mut seen = Vec::new();
+            kinds.retain(|k| {
+                let new = !seen.contains(k);
+                seen.push(*k);
+                new
+            });
+            kinds
+        },
         since: args.since,
         until: args.until,
         limit: args.limit,
@@ -515,7 +622,19 @@ async fn events(audit: &Admin, args: EventsArgs) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-fn fail(e: AdminError) -> ExitCode {
+fn fail(e: impl Into<Failure>) -> ExitCode {
+    let e = match e.into() {
+        Failure::Db(e) => e,
+        Failure::Http(e) => {
+            let code = match &e {
+                RemoteError::NotFound(_) => 1,
+                RemoteError::Usage(_) => 2,
+                RemoteError::Unavailable(_) => EXIT_UNAVAILABLE,
+            };
+            eprintln!("idempotency-ledger: {e}");
+            return ExitCode::from(code);
+        }
+    };
     let code = match &e {
         AdminError::TokenInvalid | AdminError::InvalidCursor | AdminError::InvalidRequest(_) => 2,
         AdminError::TokenNotFound | AdminError::KeyNotFound => 1,

@@ -133,7 +133,10 @@ pub struct EventFilter {
     pub subject: Option<String>,
     pub biz_type: Option<String>,
     pub order_id: Option<String>,
-    pub kind: Option<AuditKind>,
+    /// The acting or owning client (`audit_events.client`).
+    pub client: Option<String>,
+    /// Any of these kinds; empty: any kind.
+    pub kinds: Vec<AuditKind>,
     /// Inclusive.
     pub since: Option<DateTime<Utc>>,
     /// Exclusive.
@@ -162,10 +165,23 @@ pub async fn events(
     if let Some(v) = &filter.order_id {
         q.push(" AND order_id = ").push_bind(v.clone());
     }
-    if let Some(v) = filter.kind {
-        q.push(" AND kind = ")
-            .push_bind(v.as_str())
-            .push("::audit_kind");
+    if let Some(v) = &filter.client {
+        q.push(" AND client = ").push_bind(v.clone());
+    }
+    match filter.kinds.as_slice() {
+        [] => {}
+        // Equality keeps the ordered scan of `(kind, at DESC, id DESC)`.
+        [one] => {
+            q.push(" AND kind = ")
+                .push_bind(one.as_str())
+                .push("::audit_kind");
+        }
+        many => {
+            let texts: Vec<&'static str> = many.iter().map(|k| k.as_str()).collect();
+            q.push(" AND kind = ANY(")
+                .push_bind(texts)
+                .push("::audit_kind[])");
+        }
     }
     if let Some(v) = filter.since {
         q.push(" AND at >= ").push_bind(v);

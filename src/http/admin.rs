@@ -293,17 +293,22 @@ pub async fn release_key(
     }))
 }
 
-/// Query of `GET /v1/admin/audit`; empty values count as absent.
-#[derive(Debug, Deserialize, utoipa::IntoParams)]
+/// Query of `GET /v1/admin/audit`; empty values count as absent. `kind`
+/// may repeat (any of them); every other parameter at most once. Read from
+/// the query string by [`AuditParams::from_query`] (`web::Query` cannot
+/// collect a repeated key); the derive documents it.
+#[derive(Debug, Default, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
-#[serde(deny_unknown_fields)]
 pub struct AuditParams {
     pub subject: Option<String>,
     pub biz_type: Option<String>,
     pub order_id: Option<String>,
-    /// One of the audit kinds, e.g. `token.consumed`.
-    #[param(value_type = Option<crate::domain::AuditKind>)]
-    pub kind: Option<String>,
+    /// The acting or owning client's name (the events' `client`).
+    pub client: Option<String>,
+    /// An audit kind, e.g. `token.consumed`; repeat it for any of several
+    /// (`kind=token.consumed&kind=token.released`).
+    #[param(value_type = Option<Vec<crate::domain::AuditKind>>, explode = true, style = Form)]
+    pub kind: Vec<String>,
     /// RFC 3339; inclusive.
     pub since: Option<String>,
     /// RFC 3339; exclusive.
@@ -330,6 +335,40 @@ fn rfc3339(key: &str, v: &Option<String>) -> Result<Option<DateTime<Utc>>, ApiEr
 }
 
 impl AuditParams {
+    /// The parameters of a query string: 400 for an unknown one or one
+    /// given twice (but `kind`).
+    pub fn from_query(query: &str) -> Result<AuditParams, ApiError> {
+        let mut p = AuditParams::default();
+        for (key, value) in url::form_urlencoded::parse(query.as_bytes()) {
+            let slot = match key.as_ref() {
+                "kind" => {
+                    p.kind.push(value.into_owned());
+                    continue;
+                }
+                "subject" => &mut p.subject,
+                "biz_type" => &mut p.biz_type,
+                "order_id" => &mut p.order_id,
+                "client" => &mut p.client,
+                "since" => &mut p.since,
+                "until" => &mut p.until,
+                "limit" => &mut p.limit,
+                "cursor" => &mut p.cursor,
+                other => {
+                    return Err(ApiError::invalid(format!(
+                        "bad query: unknown parameter `{other}`, expected one of subject, biz_type, order_id, client, kind, since, until, limit, cursor"
+                    )))
+                }
+            };
+            if slot.is_some() {
+                return Err(ApiError::invalid(format!(
+                    "bad query: `{key}` given more than once"
+                )));
+            }
+            *slot = Some(value.into_owned());
+        }
+        Ok(p)
+    }
+
     fn parse(&self) -> Result<AuditQuery, ApiError> {
         let limit = match present(&self.limit) {
             None => admin::DEFAULT_LIMIT,
@@ -344,9 +383,17 @@ impl AuditParams {
             subject: present(&self.subject),
             biz_type: present(&self.biz_type),
             order_id: present(&self.order_id),
-            kind: present(&self.kind)
-                .map(|k| admin::parse_kind(&k))
-                .transpose()?,
+            client: present(&self.client),
+            kinds: {
+                let mut kinds = Vec::new();
+                for k in self.kind.iter().filter(|k| !k.is_empty()) {
+                    let k = admin::parse_kind(k)?;
+                    if !kinds.contains(&k) {
+                        kinds.push(k);
+                    }
+                }
+                kinds
+            },
             since: rfc3339("since", &self.since)?,
             until: rfc3339("until", &self.until)?,
             limit,
@@ -369,10 +416,9 @@ impl AuditParams {
 pub async fn audit(
     state: web::Data<AppState>,
     ReaderCaller(_): ReaderCaller,
-    query: Result<web::Query<AuditParams>, actix_web::Error>,
+    req: HttpRequest,
 ) -> Result<HttpResponse, ApiError> {
-    let query = query.map_err(|e| ApiError::invalid(format!("bad query: {e}")))?;
-    let query = query.parse()?;
+    let query = AuditParams::from_query(req.query_string())?.parse()?;
     let page = state.admin.audit(&query).await?;
     Ok(HttpResponse::Ok().json(page))
 }

@@ -545,3 +545,328 @@ async fn audit_order_key_and_reconcile_runs_print_the_admin_views() {
     assert!(page["runs"][0]["inconsistent_orders"].is_array());
     app.stop().await;
 }
+
+/// Runs the binary with `--config`, `args` and `LEDGER_API_KEY` set to
+/// `key` (removed when `None`, whatever the test process has).
+async fn cli_with_key(
+    config: &tempfile::NamedTempFile,
+    args: &[&str],
+    key: Option<&str>,
+) -> Output {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_idempotency-ledger"));
+    cmd.arg("--config")
+        .arg(config.path())
+        .args(args)
+        .env("RUST_LOG", "warn");
+    match key {
+        Some(k) => cmd.env("LEDGER_API_KEY", k),
+        None => cmd.env_remove("LEDGER_API_KEY"),
+    };
+    cmd.output().await.expect("the binary runs")
+}
+
+/// Events of several kinds and clients for the filters.
+async fn insert_mixed_events(app: &TestApp, subject: &str) {
+    let pg = app.pg().await;
+    sqlx::query(
+        "INSERT INTO audit_events (at, kind, subject, biz_type, client, detail)
+         SELECT now() - make_interval(secs => g),
+                (ARRAY['token.issued', 'token.consumed', 'token.released'])[g % 3 + 1]::audit_kind,
+                $1, 'order', (ARRAY['payments', 'refunds'])[g % 2 + 1], jsonb_build_object('g', g)
+           FROM generate_series(1, 30) g",
+    )
+    .bind(subject)
+    .execute(&pg)
+    .await
+    .expect("events");
+}
+
+fn kinds_and_clients(page: &Value) -> Vec<(String, String)> {
+    page["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .map(|e| {
+            (
+                e["kind"].as_str().expect("kind").to_owned(),
+                e["client"].as_str().expect("client").to_owned(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn audit_events_filter_by_client_and_any_of_several_kinds_in_both_modes_and_the_api() {
+    let app = spawn_app().await;
+    let subject = "u-audit-filters";
+    insert_mixed_events(&app, subject).await;
+    let config = cli_config(&app.stores);
+
+    // The API: kind repeated is any of them; client narrows.
+    let r = app
+        .get(
+            AUDITOR,
+            &format!("/v1/admin/audit?subject={subject}&kind=token.consumed&kind=token.released&client=refunds&limit=1000"),
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let api: Value = r.json().await.expect("json");
+    let got = kinds_and_clients(&api);
+    // g in 1..=30 with g odd (refunds) and g % 3 != 0 (not token.issued).
+    let want = (1..=30).filter(|g| g % 2 == 1 && g % 3 != 0).count();
+    assert_eq!(got.len(), want, "{api}");
+    assert!(got
+        .iter()
+        .all(|(k, c)| c == "refunds" && (k == "token.consumed" || k == "token.released")));
+    assert!(got.iter().any(|(k, _)| k == "token.consumed"));
+    assert!(got.iter().any(|(k, _)| k == "token.released"));
+    // One kind, and no kind: the other counts.
+    let one = app
+        .get(
+            AUDITOR,
+            &format!("/v1/admin/audit?subject={subject}&kind=token.released&limit=1000"),
+        )
+        .await
+        .json::<Value>()
+        .await
+        .expect("json");
+    assert_eq!(
+        kinds_and_clients(&one).len(),
+        (1..=30).filter(|g| g % 3 == 1).count()
+    );
+    // Errors as before: an unknown kind (even beside a good one), an unknown
+    // parameter, a parameter given twice.
+    for query in [
+        "kind=token.consumed&kind=token.eaten",
+        "clients=refunds",
+        "client=a&client=b",
+    ] {
+        let r = app.get(AUDITOR, &format!("/v1/admin/audit?{query}")).await;
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST, "{query}");
+        let body: Value = r.json().await.expect("json");
+        assert_eq!(body["error"], "invalid_request", "{query}: {body}");
+    }
+
+    // The keyset cursor still pages a filtered query: pages of 3 (JSON: the
+    // CLI's stdout is a pipe).
+    let filters = [
+        "--subject",
+        subject,
+        "--kind",
+        "token.consumed",
+        "--kind",
+        "token.released",
+        "--client",
+        "refunds",
+    ];
+    let db_all = cli(
+        &config,
+        &[&["audit", "events", "--limit", "3", "--all"], &filters[..]].concat(),
+    )
+    .await;
+    assert_eq!(db_all.status.code(), Some(0), "{}", text(&db_all.stderr));
+    let db_all: Value = serde_json::from_slice(&db_all.stdout).expect("json");
+    assert_eq!(
+        db_all["events"], api["events"],
+        "the CLI's export is the API's page"
+    );
+
+    // Over HTTP with an auditor key: the very same bytes as the database
+    // mode, for one page (JSON, table, CSV) and for --all.
+    for extra in [
+        vec!["--limit", "1000"],
+        vec!["--limit", "4"],
+        vec!["--limit", "3", "--all"],
+        vec!["--limit", "3", "--all", "--format", "csv"],
+        vec!["--limit", "5", "--format", "table"],
+    ] {
+        let args = [&["audit", "events"], &filters[..], &extra[..]].concat();
+        let db = cli(&config, &args).await;
+        let url_args = [&["audit", "--url", app.address.as_str()], &args[1..]].concat();
+        let http = cli_with_key(&config, &url_args, Some(AUDITOR)).await;
+        assert_eq!(db.status.code(), Some(0), "{extra:?}: {}", text(&db.stderr));
+        assert_eq!(
+            http.status.code(),
+            Some(0),
+            "{extra:?}: {}",
+            text(&http.stderr)
+        );
+        assert!(!db.stdout.is_empty());
+        assert_eq!(text(&http.stdout), text(&db.stdout), "{extra:?}");
+        assert_eq!(text(&http.stderr), text(&db.stderr), "{extra:?}");
+    }
+    // --url after the subcommand too.
+    let http = cli_with_key(
+        &config,
+        &[
+            &["audit", "events"],
+            &filters[..],
+            &["--limit", "1000", "--url", app.address.as_str()],
+        ]
+        .concat(),
+        Some(AUDITOR),
+    )
+    .await;
+    assert_eq!(http.status.code(), Some(0), "{}", text(&http.stderr));
+    let page: Value = serde_json::from_slice(&http.stdout).expect("json");
+    assert_eq!(page["events"], api["events"]);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn audit_over_http_prints_what_the_database_mode_prints_and_maps_errors_to_exit_codes() {
+    let app = spawn_app().await;
+    let config = cli_config(&app.stores);
+    let url = app.address.clone();
+    let order = json!({"order_id": "o-audit-http", "subject": "u-h", "amount_minor": 700, "currency": "EUR"});
+    assert_eq!(app.post(PAYMENTS, "/v1/orders", &order).await.status(), 201);
+    let token = app.issue(PAYMENTS, "order", "u-h").await;
+    let r = app
+        .post(
+            PAYMENTS,
+            "/v1/orders/o-audit-http/pay",
+            &json!({"token": token}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let key = json!({"biz_type": "order", "key": "k-http", "subject": "u-h"});
+    assert_eq!(
+        app.post(PAYMENTS, "/v1/keys/consume", &key).await.status(),
+        200
+    );
+    let out = cli(&config, &["reconcile", "--dry-run"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+
+    for args in [
+        vec!["token", token.as_str(), "--format", "json"],
+        vec!["token", token.as_str(), "--format", "table"],
+        vec![
+            "key",
+            "--client",
+            "payments",
+            "--biz-type",
+            "order",
+            "k-http",
+        ],
+        vec!["order", "o-audit-http"],
+        vec!["reconcile-runs", "--limit", "5"],
+    ] {
+        let db = cli(&config, &[&["audit"], &args[..]].concat()).await;
+        let http = cli_with_key(
+            &config,
+            &[&["audit", "--url", url.as_str()], &args[..]].concat(),
+            Some(AUDITOR),
+        )
+        .await;
+        assert_eq!(db.status.code(), Some(0), "{args:?}: {}", text(&db.stderr));
+        assert_eq!(
+            http.status.code(),
+            Some(0),
+            "{args:?}: {}",
+            text(&http.stderr)
+        );
+        assert_eq!(text(&http.stdout), text(&db.stdout), "{args:?}");
+    }
+
+    // Not found: 1, as in the database mode.
+    let unknown = app.sign("order", 77_000_002, 4_000_000_000, "payments", "u");
+    for args in [
+        vec!["token", unknown.as_str()],
+        vec!["order", "no-such-order"],
+        vec![
+            "key",
+            "--client",
+            "refunds",
+            "--biz-type",
+            "order",
+            "k-http",
+        ],
+    ] {
+        let out = cli_with_key(
+            &config,
+            &[&["audit", "--url", url.as_str()], &args[..]].concat(),
+            Some(AUDITOR),
+        )
+        .await;
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+    // Usage: 2 without a key, with a service key (naming forbidden), with a
+    // wrong key, a bad URL, or for verify.
+    let events = ["audit", "--url", url.as_str(), "events", "--limit", "1"];
+    let out = cli_with_key(&config, &events, None).await;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("LEDGER_API_KEY"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = cli_with_key(&config, &events, Some(PAYMENTS)).await;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("forbidden"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = cli_with_key(&config, &events, Some("not-a-key")).await;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("unauthorized"),
+        "{}",
+        text(&out.stderr)
+    );
+    for bad in ["not a url", "ftp://127.0.0.1/", "127.0.0.1:8080"] {
+        let out = cli_with_key(&config, &["audit", "--url", bad, "events"], Some(AUDITOR)).await;
+        assert_eq!(out.status.code(), Some(2), "{bad}: {}", text(&out.stderr));
+    }
+    let out = cli_with_key(
+        &config,
+        &["audit", "--url", url.as_str(), "verify"],
+        Some(AUDITOR),
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("database only"),
+        "{}",
+        text(&out.stderr)
+    );
+    // A bad filter is the API's 400: 2.
+    let out = cli_with_key(
+        &config,
+        &["audit", "--url", url.as_str(), "events", "--cursor", "nope"],
+        Some(AUDITOR),
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("invalid_cursor"),
+        "{}",
+        text(&out.stderr)
+    );
+    app.stop().await;
+
+    // Nothing listens there: could not ask, 5.
+    let nowhere = format!("http://127.0.0.1:{}", free_port());
+    for args in [
+        vec!["token", token.as_str()],
+        vec!["events", "--limit", "1"],
+    ] {
+        let out = cli_with_key(
+            &config,
+            &[&["audit", "--url", nowhere.as_str()], &args[..]].concat(),
+            Some(AUDITOR),
+        )
+        .await;
+        assert_eq!(
+            out.status.code(),
+            Some(5),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+}
