@@ -60,6 +60,7 @@ pub struct AuditEvent {
     /// The event id, as a string.
     #[schema(example = "1042")]
     pub id: String,
+    #[schema(value_type = String, format = DateTime)]
     pub at: String,
     #[schema(value_type = crate::domain::AuditKind, example = "token.consumed")]
     pub kind: &'static str,
@@ -99,12 +100,16 @@ pub struct TokenView {
     /// or purged after retention).
     #[schema(value_type = crate::domain::TokenStatus, example = "consumed")]
     pub state: &'static str,
+    #[schema(value_type = String, format = DateTime)]
     pub issued_at: String,
+    #[schema(value_type = String, format = DateTime)]
     pub expires_at: String,
+    #[schema(value_type = Option<String>, format = DateTime)]
     pub consumed_at: Option<String>,
     pub fingerprint: Option<String>,
     pub request_id: Option<String>,
     /// Any JSON value, as recorded.
+    #[schema(schema_with = crate::http::openapi::any_json_or_null)]
     pub result: Option<Json>,
     /// Consume attempts answered `duplicate` (flushed every few seconds).
     pub duplicate_attempts: i64,
@@ -126,11 +131,14 @@ pub struct KeyView {
     #[schema(example = "consumed")]
     pub state: &'static str,
     /// Its first consume.
+    #[schema(value_type = Option<String>, format = DateTime)]
     pub issued_at: Option<String>,
+    #[schema(value_type = Option<String>, format = DateTime)]
     pub consumed_at: Option<String>,
     pub fingerprint: Option<String>,
     pub request_id: Option<String>,
     /// Any JSON value, as recorded.
+    #[schema(schema_with = crate::http::openapi::any_json_or_null)]
     pub result: Option<Json>,
     /// Consume attempts answered `duplicate` (flushed every few seconds).
     pub duplicate_attempts: i64,

@@ -170,6 +170,10 @@ impl Modify for Common {
                         "rate_limited: over the client's request ceiling (with Retry-After)",
                     ));
                     add.push(("500", "internal"));
+                    add.push((
+                        "503",
+                        "unavailable: Postgres or Redis cannot be reached (with Retry-After); nothing changed",
+                    ));
                 }
                 if op.request_body.is_some() {
                     add.push(("400", "invalid_request: a body that does not parse, unknown fields, bad types or values"));
@@ -226,6 +230,18 @@ impl Modify for Common {
             }
         }
     }
+}
+
+/// A recorded result: any JSON value, or null while there is none. Typeless,
+/// so that `null` matches it once (a `oneOf` of null and any value would
+/// match null twice, and a validator rejects it).
+pub fn any_json_or_null() -> utoipa::openapi::schema::Object {
+    ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::SchemaType::AnyValue)
+        .description(Some(
+            "The recorded result: any JSON value (object, array, string, number, boolean), or null while there is none",
+        ))
+        .build()
 }
 
 /// A string schema holding exactly `values`, taken from a Rust enum's `ALL`
@@ -528,6 +544,185 @@ mod tests {
                     responses[status].is_object(),
                     "{event}: no {status} in {responses}"
                 );
+            }
+        }
+    }
+
+    fn operations(doc: &serde_json::Value) -> Vec<(String, String, serde_json::Value)> {
+        let mut ops = Vec::new();
+        for (path, item) in doc["paths"].as_object().expect("paths") {
+            for (method, op) in item.as_object().expect("operations") {
+                ops.push((path.clone(), method.clone(), op.clone()));
+            }
+        }
+        ops
+    }
+
+    /// Generators (openapi-generator, openapi-python-client) name a method
+    /// per operationId and a type per schema: ids are present, unique, and
+    /// none equals a schema name, ignoring case.
+    #[test]
+    fn operation_ids_are_unique_and_clash_with_no_schema() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        let schemas: Vec<String> = doc["components"]["schemas"]
+            .as_object()
+            .expect("schemas")
+            .keys()
+            .map(|k| k.to_lowercase())
+            .collect();
+        let mut seen = std::collections::HashSet::new();
+        for (path, method, op) in operations(&doc) {
+            let id = op["operationId"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{method} {path}: no operationId"));
+            assert!(seen.insert(id.to_lowercase()), "{id} used twice");
+            assert!(
+                !schemas.contains(&id.to_lowercase()),
+                "{method} {path}: operationId {id} is also a schema name"
+            );
+        }
+        assert_eq!(seen.len(), 28, "{seen:?}");
+        for id in [
+            "consumetoken",
+            "consumekey",
+            "createorder",
+            "adminreleasekey",
+        ] {
+            assert!(seen.contains(id), "no {id}");
+        }
+    }
+
+    /// Every /v1 route needs a key (401), counts against the client's
+    /// ceiling (429) and reads or writes Postgres or Redis (503). There is
+    /// no /v1 route for which one of these is impossible; the seed's alias
+    /// under /api shares all three.
+    #[test]
+    fn every_keyed_route_declares_401_429_503() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        let mut keyed = 0;
+        for (path, method, op) in operations(&doc) {
+            if !(path.starts_with("/v1/") || path.starts_with("/api/")) {
+                continue;
+            }
+            keyed += 1;
+            for s in ["401", "429", "503"] {
+                assert!(op["responses"][s].is_object(), "{method} {path}: no {s}");
+            }
+        }
+        assert!(keyed >= 24, "{keyed}");
+    }
+
+    /// Every time in a body is `format: date-time`: each property named
+    /// `at` or `*_at`, in every schema, nested ones included.
+    #[test]
+    fn times_are_date_time() {
+        fn walk(v: &serde_json::Value, at: &str, found: &mut usize) {
+            match v {
+                serde_json::Value::Object(map) => {
+                    if let Some(serde_json::Value::Object(props)) = map.get("properties") {
+                        for (name, prop) in props {
+                            if name == "at" || name.ends_with("_at") {
+                                *found += 1;
+                                assert_eq!(prop["format"], "date-time", "{at}.{name}: {prop}");
+                            }
+                        }
+                    }
+                    for (k, child) in map {
+                        walk(child, &format!("{at}/{k}"), found);
+                    }
+                }
+                serde_json::Value::Array(items) => {
+                    for child in items {
+                        walk(child, at, found);
+                    }
+                }
+                _ => {}
+            }
+        }
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        let mut found = 0;
+        walk(&doc["components"], "components", &mut found);
+        assert!(found >= 20, "only {found} times");
+        let audit = doc["paths"]["/v1/admin/audit"]["get"]["parameters"]
+            .as_array()
+            .expect("parameters");
+        for name in ["since", "until"] {
+            let p = audit.iter().find(|p| p["name"] == name).expect(name);
+            assert_eq!(p["schema"]["format"], "date-time", "{p}");
+        }
+    }
+
+    /// Each operation shows an example of its request body and of its main
+    /// success answer.
+    #[test]
+    fn every_operation_has_examples() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        for (path, method, op) in operations(&doc) {
+            if let Some(content) = op["requestBody"]["content"].as_object() {
+                for (media, c) in content {
+                    assert!(
+                        !c["example"].is_null(),
+                        "{method} {path}: no request example ({media})"
+                    );
+                }
+            }
+            let ok = ["200", "201"]
+                .iter()
+                .map(|s| &op["responses"][*s])
+                .find(|r| r.is_object())
+                .unwrap_or_else(|| panic!("{method} {path}: no 200 or 201"));
+            let content = ok["content"]
+                .as_object()
+                .unwrap_or_else(|| panic!("{method} {path}: success without content"));
+            assert!(
+                content.values().any(|c| !c["example"].is_null()),
+                "{method} {path}: no response example"
+            );
+        }
+    }
+
+    /// The key reads answer 400 without their query parameters: the spec
+    /// says they are required.
+    #[test]
+    fn key_reads_require_their_query() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        for (path, names) in [
+            ("/v1/keys", &["biz_type", "key"][..]),
+            ("/v1/admin/keys", &["client", "biz_type", "key"][..]),
+        ] {
+            let params = doc["paths"][path]["get"]["parameters"]
+                .as_array()
+                .expect("parameters");
+            for name in names {
+                let p = params.iter().find(|p| p["name"] == *name).expect(name);
+                assert_eq!(p["required"], true, "{path}?{name}: {p}");
+            }
+        }
+    }
+
+    /// A duplicate with `"result": null` matches exactly one branch of the
+    /// consume answers' `oneOf`: `result` is typeless (null included), not
+    /// a `oneOf` of null and any value (which null would match twice).
+    #[test]
+    fn a_null_result_matches_one_branch() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        let schemas = &doc["components"]["schemas"];
+        for (schema, branch) in [
+            ("ConsumeResponse", Some(1)),
+            ("KeyConsumeResponse", Some(1)),
+            ("TokenStateResponse", None),
+            ("KeyStateResponse", None),
+            ("TokenView", None),
+            ("KeyView", None),
+        ] {
+            let s = match branch {
+                Some(i) => &schemas[schema]["oneOf"][i],
+                None => &schemas[schema],
+            };
+            let result = &s["properties"]["result"];
+            assert!(result.is_object(), "{schema}: no result");
+            for k in ["oneOf", "anyOf", "type", "$ref"] {
+                assert!(result.get(k).is_none(), "{schema}.result has {k}: {result}");
             }
         }
     }
