@@ -470,7 +470,7 @@ impl BodyLimit for ReconcileRequest {}
 
 /// Run a reconciliation now and answer its report.
 #[utoipa::path(post, path = "/v1/admin/reconcile", operation_id = "adminRunReconcile", tag = "admin",
-    request_body(content = Option<ReconcileRequest>, description = "Optional: no body (and no Content-Type) is `{}`, a real run over everything", example = json!({"dry_run": true, "since": "24h"})),
+    request_body(content = ReconcileRequest, description = "Optional (not required): no body (and no Content-Type) is `{}`, a real run over everything", example = json!({"dry_run": true, "since": "24h"})),
     security(("api_key" = [])),
     responses(
         (status = 200, description = "The report", body = reconcile::Report, example = json!({"id": "12", "started_at": "2026-12-02T07:30:00Z", "finished_at": "2026-12-02T07:30:05Z", "dry_run": true, "scanned": {"tokens": 120, "orders": 3}, "found": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "repaired": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "inconsistent_orders": [], "redis_ahead_of_postgres": [], "interrupted": false, "errors": []})),

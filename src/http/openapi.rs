@@ -197,6 +197,12 @@ impl Modify for Common {
                         "X-Request-Id".to_owned(),
                         header("The request's id (the caller's X-Request-Id when it sent a valid one), also in the logs", Type::String),
                     );
+                    if status == "405" {
+                        response.headers.insert(
+                            "Allow".to_owned(),
+                            header("The one method this path answers", Type::String),
+                        );
+                    }
                     if status == "429" || status == "503" {
                         response.headers.insert(
                             "Retry-After".to_owned(),
@@ -215,7 +221,42 @@ impl Modify for Common {
                 }
             }
         }
+        // The reconcile body may be left out (no body is `{}`), but when
+        // sent it is an object: `null` is 400.
+        if let Some(body) = openapi
+            .paths
+            .paths
+            .get_mut("/v1/admin/reconcile")
+            .and_then(|item| item.post.as_mut())
+            .and_then(|op| op.request_body.as_mut())
+        {
+            body.required = Some(utoipa::openapi::Required::False);
+        }
+        for item in openapi.paths.paths.values_mut() {
+            for op in [item.get.as_mut(), item.post.as_mut()]
+                .into_iter()
+                .flatten()
+            {
+                for p in op.parameters.iter_mut().flatten() {
+                    if let Some(RefOr::T(utoipa::openapi::Schema::Object(o))) = p.schema.as_mut() {
+                        constrain(&p.name, o);
+                    }
+                }
+            }
+        }
         if let Some(components) = openapi.components.as_mut() {
+            for (name, schema) in components.schemas.iter_mut() {
+                if !name.ends_with("Request") {
+                    continue;
+                }
+                if let RefOr::T(utoipa::openapi::Schema::Object(o)) = schema {
+                    for (field, prop) in o.properties.iter_mut() {
+                        if let RefOr::T(utoipa::openapi::Schema::Object(p)) = prop {
+                            constrain(field, p);
+                        }
+                    }
+                }
+            }
             if let Some(RefOr::T(utoipa::openapi::Schema::Object(body))) =
                 components.schemas.get_mut("ErrorBody")
             {
@@ -229,6 +270,36 @@ impl Modify for Common {
                 );
             }
         }
+    }
+}
+
+/// The syntax the handlers check (src/domain.rs, src/domain/key.rs,
+/// src/http/tokens.rs), as JSON Schema, by field or parameter name: a value
+/// the pattern refuses is refused by the service (400), and the other way
+/// round. Applied to every `*Request` body and every query and path
+/// parameter. Refusals JSON Schema cannot express (a token's tag, a cursor
+/// this service did not hand out, a `ttl_seconds` beyond the biz type's)
+/// stay in the descriptions.
+const SYNTAX: &[(&str, &str)] = &[
+    ("biz_type", "^[a-z][a-z0-9-]{0,31}$"),
+    ("bizType", "^[a-z][a-z0-9-]{0,31}$"),
+    ("fingerprint", "^[ -~]{1,128}$"),
+    ("request_id", "^[ -~]{1,128}$"),
+    ("key", "^[ -~]{1,255}$"),
+    ("order_id", "^[A-Za-z0-9_-]{1,64}$"),
+    ("currency", "^[A-Z]{3}$"),
+    ("token", "^[A-Za-z0-9_-]{1,128}$"),
+    ("subject", "^[^\\x00-\\x1f\\x7f-\\x9f]{1,128}$"),
+    ("userId", "^[^\\x00-\\x1f\\x7f-\\x9f]{1,128}$"),
+];
+
+fn constrain(name: &str, o: &mut utoipa::openapi::schema::Object) {
+    if let Some((_, pattern)) = SYNTAX.iter().find(|(n, _)| *n == name) {
+        o.pattern = Some((*pattern).to_owned());
+    }
+    if name == "amount_minor" {
+        o.minimum = Some(1f64.into());
+        o.maximum = Some(1e15f64.into());
     }
 }
 

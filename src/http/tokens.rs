@@ -93,9 +93,11 @@ pub async fn issue(
 #[into_params(parameter_in = Query, rename_all = "camelCase")]
 #[serde(rename_all = "camelCase")]
 pub struct GenerateQuery {
-    /// The biz type.
+    /// The biz type (required: 400 without it).
+    #[param(required = true, value_type = String, example = "order")]
     pub biz_type: Option<String>,
-    /// The subject (user id).
+    /// The subject (user id; required: 400 without it).
+    #[param(required = true, value_type = String, example = "user-42")]
     pub user_id: Option<String>,
 }
 
