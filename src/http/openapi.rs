@@ -244,6 +244,43 @@ impl Modify for Common {
                 }
             }
         }
+        // On these reads an empty query value counts as absent (`?until=`):
+        // a typed parameter also takes the empty string.
+        for path in ["/v1/admin/audit", "/v1/admin/reconcile/runs"] {
+            let Some(op) = openapi
+                .paths
+                .paths
+                .get_mut(path)
+                .and_then(|i| i.get.as_mut())
+            else {
+                continue;
+            };
+            for p in op.parameters.iter_mut().flatten() {
+                let plain = matches!(
+                    p.schema.as_ref(),
+                    Some(RefOr::T(utoipa::openapi::Schema::Object(o)))
+                        if o.format.is_none()
+                            && o.pattern.is_none()
+                            && o.enum_values.is_none()
+                            && matches!(&o.schema_type, utoipa::openapi::schema::SchemaType::Type(Type::String))
+                );
+                if plain {
+                    continue;
+                }
+                if let Some(typed) = p.schema.take() {
+                    let empty = ObjectBuilder::new()
+                        .schema_type(Type::String)
+                        .max_length(Some(0))
+                        .description(Some("empty: as if absent"));
+                    p.schema = Some(
+                        utoipa::openapi::schema::AnyOfBuilder::new()
+                            .item(typed)
+                            .item(empty)
+                            .into(),
+                    );
+                }
+            }
+        }
         if let Some(components) = openapi.components.as_mut() {
             for (name, schema) in components.schemas.iter_mut() {
                 if !name.ends_with("Request") {
@@ -490,7 +527,9 @@ mod tests {
             .iter()
             .find(|p| p["name"] == "limit")
             .expect("limit")["schema"];
-        assert_eq!(limit["type"], "integer", "{limit}");
+        // An empty `limit=` counts as absent: the integer or the empty string.
+        assert_eq!(limit["anyOf"][0]["type"], "integer", "{limit}");
+        assert_eq!(limit["anyOf"][1]["maxLength"], 0, "{limit}");
     }
 
     /// The closed sets are enums holding exactly the Rust enums' values, and
@@ -719,7 +758,7 @@ mod tests {
             .expect("parameters");
         for name in ["since", "until"] {
             let p = audit.iter().find(|p| p["name"] == name).expect(name);
-            assert_eq!(p["schema"]["format"], "date-time", "{p}");
+            assert_eq!(p["schema"]["anyOf"][0]["format"], "date-time", "{p}");
         }
     }
 
