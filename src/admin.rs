@@ -93,6 +93,7 @@ pub struct AuditEvent {
     /// The event id, as a string.
     #[schema(example = "1042")]
     pub id: String,
+    #[schema(value_type = String, format = DateTime)]
     pub at: String,
     #[schema(value_type = crate::domain::AuditKind, example = "token.consumed")]
     #[serde(deserialize_with = "de_kind")]
@@ -134,12 +135,16 @@ pub struct TokenView {
     #[schema(value_type = crate::domain::TokenStatus, example = "consumed")]
     #[serde(deserialize_with = "de_token_state")]
     pub state: FixedText,
+    #[schema(value_type = String, format = DateTime)]
     pub issued_at: String,
+    #[schema(value_type = String, format = DateTime)]
     pub expires_at: String,
+    #[schema(value_type = Option<String>, format = DateTime)]
     pub consumed_at: Option<String>,
     pub fingerprint: Option<String>,
     pub request_id: Option<String>,
     /// Any JSON value, as recorded.
+    #[schema(schema_with = crate::http::openapi::any_json_or_null)]
     pub result: Option<Json>,
     /// Consume attempts answered `duplicate` (flushed every few seconds).
     pub duplicate_attempts: i64,
@@ -162,11 +167,14 @@ pub struct KeyView {
     #[serde(deserialize_with = "de_token_state")]
     pub state: FixedText,
     /// Its first consume.
+    #[schema(value_type = Option<String>, format = DateTime)]
     pub issued_at: Option<String>,
+    #[schema(value_type = Option<String>, format = DateTime)]
     pub consumed_at: Option<String>,
     pub fingerprint: Option<String>,
     pub request_id: Option<String>,
     /// Any JSON value, as recorded.
+    #[schema(schema_with = crate::http::openapi::any_json_or_null)]
     pub result: Option<Json>,
     /// Consume attempts answered `duplicate` (flushed every few seconds).
     pub duplicate_attempts: i64,

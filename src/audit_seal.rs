@@ -122,6 +122,7 @@ pub struct CheckpointView {
     #[schema(example = "17")]
     pub id: String,
     /// When it was sealed (Postgres's clock), RFC 3339.
+    #[schema(value_type = String, format = DateTime)]
     pub sealed_at: String,
     /// The lowest audit event id it seals.
     #[schema(example = "1001")]

@@ -65,48 +65,73 @@ async fn not_found() -> Result<HttpResponse, ApiError> {
     Err(ApiError::not_found())
 }
 
-async fn method_not_allowed() -> Result<HttpResponse, ApiError> {
-    Err(ApiError::method_not_allowed())
+/// 405 in our error shape, with the `Allow` header RFC 9110 requires.
+fn method_not_allowed(allow: &'static str) -> HttpResponse {
+    let mut resp = actix_web::ResponseError::error_response(&ApiError::method_not_allowed());
+    resp.headers_mut().insert(
+        actix_web::http::header::ALLOW,
+        HeaderValue::from_static(allow),
+    );
+    resp
 }
 
-/// One resource with its methods; other methods answer 405 in our error shape.
-fn resource(path: &str) -> actix_web::Resource {
-    web::resource(path).default_service(web::to(method_not_allowed))
+/// One resource with its one method (`allow`); other methods answer 405.
+fn resource(path: &str, allow: &'static str) -> actix_web::Resource {
+    web::resource(path).default_service(web::to(move || async move { method_not_allowed(allow) }))
 }
 
 /// Registers every route.
 pub fn routes(cfg: &mut web::ServiceConfig) {
-    cfg.service(resource("/healthz").route(web::get().to(ops::healthz)))
-        .service(resource("/readyz").route(web::get().to(ops::readyz)))
-        .service(resource("/metrics").route(web::get().to(ops::metrics)))
-        .service(resource("/openapi.json").route(web::get().to(ops::openapi)))
-        .service(resource("/console").route(web::get().to(console::index)))
-        .service(resource("/console/").route(web::get().to(console::index)))
-        .service(resource("/console/{asset}").route(web::get().to(console::file)))
-        .service(resource("/api/token/generate").route(web::get().to(tokens::generate)))
-        .service(resource("/v1/tokens").route(web::post().to(tokens::issue)))
-        .service(resource("/v1/tokens/{token}").route(web::get().to(tokens::state)))
-        .service(resource("/v1/tokens/{token}/consume").route(web::post().to(tokens::consume)))
-        .service(resource("/v1/tokens/{token}/result").route(web::post().to(tokens::result)))
-        .service(resource("/v1/tokens/{token}/release").route(web::post().to(tokens::release)))
-        .service(resource("/v1/keys").route(web::get().to(keys::get)))
-        .service(resource("/v1/keys/consume").route(web::post().to(keys::consume)))
-        .service(resource("/v1/keys/result").route(web::post().to(keys::result)))
-        .service(resource("/v1/keys/release").route(web::post().to(keys::release)))
-        .service(resource("/v1/orders").route(web::post().to(orders::create)))
-        .service(resource("/v1/orders/{order_id}").route(web::get().to(orders::get)))
-        .service(resource("/v1/orders/{order_id}/pay").route(web::post().to(orders::pay)))
-        .service(resource("/v1/orders/{order_id}/refund").route(web::post().to(orders::refund)))
-        .service(resource("/v1/orders/{order_id}/close").route(web::post().to(orders::close)))
-        .service(resource("/v1/admin/tokens/{token}").route(web::get().to(admin::token)))
-        .service(resource("/v1/admin/keys").route(web::get().to(admin::key)))
-        .service(resource("/v1/admin/tokens/{token}/release").route(web::post().to(admin::release)))
-        .service(resource("/v1/admin/keys/release").route(web::post().to(admin::release_key)))
-        .service(resource("/v1/admin/audit").route(web::get().to(admin::audit)))
-        .service(resource("/v1/admin/audit/seal").route(web::get().to(audit_seal::last)))
-        .service(resource("/v1/admin/stats").route(web::get().to(admin::stats)))
-        .service(resource("/v1/admin/reconcile").route(web::post().to(admin::run_reconcile)))
-        .service(resource("/v1/admin/reconcile/runs").route(web::get().to(admin::reconcile_runs)))
+    cfg.service(resource("/healthz", "GET").route(web::get().to(ops::healthz)))
+        .service(resource("/readyz", "GET").route(web::get().to(ops::readyz)))
+        .service(resource("/metrics", "GET").route(web::get().to(ops::metrics)))
+        .service(resource("/openapi.json", "GET").route(web::get().to(ops::openapi)))
+        .service(resource("/console", "GET").route(web::get().to(console::index)))
+        .service(resource("/console/", "GET").route(web::get().to(console::index)))
+        .service(resource("/console/{asset}", "GET").route(web::get().to(console::file)))
+        .service(resource("/api/token/generate", "GET").route(web::get().to(tokens::generate)))
+        .service(resource("/v1/tokens", "POST").route(web::post().to(tokens::issue)))
+        .service(resource("/v1/tokens/{token}", "GET").route(web::get().to(tokens::state)))
+        .service(
+            resource("/v1/tokens/{token}/consume", "POST").route(web::post().to(tokens::consume)),
+        )
+        .service(
+            resource("/v1/tokens/{token}/result", "POST").route(web::post().to(tokens::result)),
+        )
+        .service(
+            resource("/v1/tokens/{token}/release", "POST").route(web::post().to(tokens::release)),
+        )
+        .service(resource("/v1/keys", "GET").route(web::get().to(keys::get)))
+        .service(resource("/v1/keys/consume", "POST").route(web::post().to(keys::consume)))
+        .service(resource("/v1/keys/result", "POST").route(web::post().to(keys::result)))
+        .service(resource("/v1/keys/release", "POST").route(web::post().to(keys::release)))
+        .service(resource("/v1/orders", "POST").route(web::post().to(orders::create)))
+        .service(resource("/v1/orders/{order_id}", "GET").route(web::get().to(orders::get)))
+        .service(resource("/v1/orders/{order_id}/pay", "POST").route(web::post().to(orders::pay)))
+        .service(
+            resource("/v1/orders/{order_id}/refund", "POST").route(web::post().to(orders::refund)),
+        )
+        .service(
+            resource("/v1/orders/{order_id}/close", "POST").route(web::post().to(orders::close)),
+        )
+        .service(resource("/v1/admin/tokens/{token}", "GET").route(web::get().to(admin::token)))
+        .service(resource("/v1/admin/keys", "GET").route(web::get().to(admin::key)))
+        .service(
+            resource("/v1/admin/tokens/{token}/release", "POST")
+                .route(web::post().to(admin::release)),
+        )
+        .service(
+            resource("/v1/admin/keys/release", "POST").route(web::post().to(admin::release_key)),
+        )
+        .service(resource("/v1/admin/audit", "GET").route(web::get().to(admin::audit)))
+        .service(resource("/v1/admin/audit/seal", "GET").route(web::get().to(audit_seal::last)))
+        .service(resource("/v1/admin/stats", "GET").route(web::get().to(admin::stats)))
+        .service(
+            resource("/v1/admin/reconcile", "POST").route(web::post().to(admin::run_reconcile)),
+        )
+        .service(
+            resource("/v1/admin/reconcile/runs", "GET").route(web::get().to(admin::reconcile_runs)),
+        )
         .default_service(web::to(not_found));
 }
 

@@ -119,11 +119,11 @@ impl FromRequest for ReconcilerCaller {
 }
 
 /// What happened to one token: its record and its audit events.
-#[utoipa::path(get, path = "/v1/admin/tokens/{token}", tag = "admin",
+#[utoipa::path(get, path = "/v1/admin/tokens/{token}", operation_id = "adminGetToken", tag = "admin",
     params(("token" = String, Path, description = "The token text")),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "The token", body = admin::TokenView),
+        (status = 200, description = "The token", body = admin::TokenView, example = json!({"token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "biz_type": "order", "subject": "user-42", "client": "payments", "state": "consumed", "issued_at": "2026-12-02T07:30:00Z", "expires_at": "2026-12-02T07:31:00Z", "consumed_at": "2026-12-02T07:30:05Z", "fingerprint": "sha256:9f2c", "request_id": "req-7f3a", "result": null, "duplicate_attempts": 1, "events": [{"id": "1042", "at": "2026-12-02T07:30:05Z", "kind": "token.consumed", "token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "subject": "user-42", "biz_type": "order", "order_id": null, "client": "payments", "detail": {"request_id": "req-7f3a"}}]})),
         (status = 400, description = "token_invalid", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: not an admin (reads: admin or auditor)", body = super::ErrorBody),
@@ -144,18 +144,22 @@ pub async fn token(
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct KeyParams {
-    /// The client the key belongs to (its `[[clients]]` name).
+    /// The client the key belongs to (its `[[clients]]` name; required).
+    #[param(required = true, value_type = String, example = "payments")]
     pub client: Option<String>,
+    /// The biz type (required).
+    #[param(required = true, value_type = String, example = "order")]
     pub biz_type: Option<String>,
-    /// The key (URL-encoded).
+    /// The key (URL-encoded; required).
+    #[param(required = true, value_type = String, example = "checkout-7f3a")]
     pub key: Option<String>,
 }
 
 /// What happened to one client key: its record and its audit events.
-#[utoipa::path(get, path = "/v1/admin/keys", tag = "admin", params(KeyParams),
+#[utoipa::path(get, path = "/v1/admin/keys", operation_id = "adminGetKey", tag = "admin", params(KeyParams),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "The key", body = admin::KeyView),
+        (status = 200, description = "The key", body = admin::KeyView, example = json!({"key": "checkout-7f3a", "client": "payments", "biz_type": "order", "subject": "user-42", "state": "consumed", "issued_at": "2026-12-02T07:30:05Z", "consumed_at": "2026-12-02T07:30:05Z", "fingerprint": "sha256:9f2c", "request_id": "req-7f3a", "result": {"payment_id": "pay-881"}, "duplicate_attempts": 0, "events": []})),
         (status = 400, description = "invalid_request", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: not an admin (reads: admin or auditor)", body = super::ErrorBody),
@@ -200,12 +204,12 @@ impl BodyLimit for AdminReleaseRequest {}
 /// event returns to unconsumed, whichever client it belongs to. Audited as
 /// `token.released` with `detail.by` = the acting client's name and the
 /// reason.
-#[utoipa::path(post, path = "/v1/admin/tokens/{token}/release", tag = "admin",
-    request_body = AdminReleaseRequest,
+#[utoipa::path(post, path = "/v1/admin/tokens/{token}/release", operation_id = "adminReleaseToken", tag = "admin",
+    request_body(content = AdminReleaseRequest, example = json!({"reason": "consumer crashed before recording a result (INC-2041)"})),
     params(("token" = String, Path, description = "The token text")),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "released", body = super::tokens::OutcomeResponse),
+        (status = 200, description = "released", body = super::tokens::OutcomeResponse, example = json!({"outcome": "released"})),
         (status = 400, description = "invalid_request (no reason, or one beyond 500 characters), token_invalid", body = super::ErrorBody),
         (status = 403, description = "forbidden: not an admin (an auditor only reads)", body = super::ErrorBody),
         (status = 409, description = "not_releasable: not consumed, or it has a result or an order event", body = super::ErrorBody),
@@ -255,11 +259,11 @@ impl BodyLimit for AdminKeyReleaseRequest {}
 /// (a consumed key with no result returns to unconsumed), for any client's
 /// key. Audited as `key.released` with `detail.by` = the acting client's
 /// name and the reason.
-#[utoipa::path(post, path = "/v1/admin/keys/release", tag = "admin",
-    request_body = AdminKeyReleaseRequest,
+#[utoipa::path(post, path = "/v1/admin/keys/release", operation_id = "adminReleaseKey", tag = "admin",
+    request_body(content = AdminKeyReleaseRequest, example = json!({"client": "payments", "biz_type": "order", "key": "checkout-7f3a", "reason": "consumer crashed before recording a result (INC-2041)"})),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "released", body = super::tokens::OutcomeResponse),
+        (status = 200, description = "released", body = super::tokens::OutcomeResponse, example = json!({"outcome": "released"})),
         (status = 400, description = "invalid_request (a field missing or out of range, no reason)", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: not an admin (an auditor only reads)", body = super::ErrorBody),
@@ -310,8 +314,10 @@ pub struct AuditParams {
     #[param(value_type = Option<Vec<crate::domain::AuditKind>>, explode = true, style = Form)]
     pub kind: Vec<String>,
     /// RFC 3339; inclusive.
+    #[param(value_type = Option<String>, format = DateTime)]
     pub since: Option<String>,
     /// RFC 3339; exclusive.
+    #[param(value_type = Option<String>, format = DateTime)]
     pub until: Option<String>,
     /// 1 to 1000; default 100.
     #[param(value_type = Option<u32>, minimum = 1, maximum = 1000)]
@@ -405,10 +411,10 @@ impl AuditParams {
 }
 
 /// Audit events, newest first by (`at`, `id`), one page at a time.
-#[utoipa::path(get, path = "/v1/admin/audit", tag = "admin", params(AuditParams),
+#[utoipa::path(get, path = "/v1/admin/audit", operation_id = "adminAuditEvents", tag = "admin", params(AuditParams),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "One page; `next_cursor` is null at the end", body = admin::AuditPage),
+        (status = 200, description = "One page; `next_cursor` is null at the end", body = admin::AuditPage, example = json!({"events": [{"id": "1042", "at": "2026-12-02T07:30:05Z", "kind": "token.consumed", "token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "subject": "user-42", "biz_type": "order", "order_id": null, "client": "payments", "detail": {"request_id": "req-7f3a"}}], "next_cursor": null})),
         (status = 400, description = "invalid_request (bad filter, limit beyond 1000), invalid_cursor", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: not an admin (reads: admin or auditor)", body = super::ErrorBody),
@@ -432,10 +438,10 @@ pub struct StatsParams {
 }
 
 /// Fleet-wide counters per biz type over a window.
-#[utoipa::path(get, path = "/v1/admin/stats", tag = "admin", params(StatsParams),
+#[utoipa::path(get, path = "/v1/admin/stats", operation_id = "adminStats", tag = "admin", params(StatsParams),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "Counters per biz type", body = admin::Stats),
+        (status = 200, description = "Counters per biz type", body = admin::Stats, example = json!({"window": "1h", "mode": "normal", "biz_types": {"order": {"issued": 120, "consumed": 100, "duplicates": 4, "duplicate_rate": 0.0385, "expired": 2, "invalid": 0}}})),
         (status = 400, description = "invalid_request: bad window", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: not an admin (reads: admin or auditor)", body = super::ErrorBody),
@@ -465,10 +471,10 @@ pub struct RunsParams {
 
 /// Past reconcile runs, newest first: each run's whole report with its `id`
 /// and the ids of the orders it found inconsistent.
-#[utoipa::path(get, path = "/v1/admin/reconcile/runs", tag = "admin", params(RunsParams),
+#[utoipa::path(get, path = "/v1/admin/reconcile/runs", operation_id = "adminReconcileRuns", tag = "admin", params(RunsParams),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "One page; `next_cursor` is null at the end", body = crate::admin::runs::RunsPage),
+        (status = 200, description = "One page; `next_cursor` is null at the end", body = crate::admin::runs::RunsPage, example = json!({"runs": [{"id": "12", "started_at": "2026-12-02T07:30:00Z", "finished_at": "2026-12-02T07:30:05Z", "dry_run": true, "scanned": {"tokens": 120, "orders": 3}, "found": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "repaired": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "inconsistent_orders": [], "redis_ahead_of_postgres": [], "interrupted": false, "errors": []}], "next_cursor": null})),
         (status = 400, description = "invalid_request (limit beyond 100), invalid_cursor", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: not an admin or auditor", body = super::ErrorBody),
@@ -509,11 +515,11 @@ pub struct ReconcileRequest {
 impl BodyLimit for ReconcileRequest {}
 
 /// Run a reconciliation now and answer its report.
-#[utoipa::path(post, path = "/v1/admin/reconcile", tag = "admin",
-    request_body(content = Option<ReconcileRequest>, description = "Optional: no body (and no Content-Type) is `{}`, a real run over everything"),
+#[utoipa::path(post, path = "/v1/admin/reconcile", operation_id = "adminRunReconcile", tag = "admin",
+    request_body(content = ReconcileRequest, description = "Optional (not required): no body (and no Content-Type) is `{}`, a real run over everything", example = json!({"dry_run": true, "since": "24h"})),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "The report", body = reconcile::Report),
+        (status = 200, description = "The report", body = reconcile::Report, example = json!({"id": "12", "started_at": "2026-12-02T07:30:00Z", "finished_at": "2026-12-02T07:30:05Z", "dry_run": true, "scanned": {"tokens": 120, "orders": 3}, "found": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "repaired": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "inconsistent_orders": [], "redis_ahead_of_postgres": [], "interrupted": false, "errors": []})),
         (status = 400, description = "invalid_request", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: needs admin or reconciler", body = super::ErrorBody),

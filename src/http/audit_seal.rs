@@ -10,10 +10,10 @@ use crate::audit_seal::CheckpointView;
 
 /// The newest sealed audit checkpoint, or `null` before the first seal.
 /// `audit verify` recomputes every checkpoint; this only shows the last one.
-#[utoipa::path(get, path = "/v1/admin/audit/seal", tag = "admin",
+#[utoipa::path(get, path = "/v1/admin/audit/seal", operation_id = "adminLastAuditSeal", tag = "admin",
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "The newest checkpoint, or null when nothing is sealed yet", body = Option<CheckpointView>),
+        (status = 200, description = "The newest checkpoint, or null when nothing is sealed yet", body = Option<CheckpointView>, example = json!({"id": "17", "sealed_at": "2026-12-02T07:30:00.000Z", "first_event_id": "1001", "last_event_id": "1342", "events": 342, "digest": "3f1a9c0e5b7d2468ac13579bdf02468ace13579bdf02468ace13579bdf024681"})),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: not an admin or auditor", body = super::ErrorBody),
         (status = 503, description = "unavailable: Postgres cannot be reached", body = super::ErrorBody),

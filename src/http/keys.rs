@@ -90,6 +90,7 @@ pub enum KeyConsumeResponse {
         #[schema(example = "consumed")]
         outcome: &'static str,
         key: String,
+        #[schema(value_type = String, format = DateTime)]
         consumed_at: String,
     },
     Duplicate {
@@ -98,8 +99,10 @@ pub enum KeyConsumeResponse {
         outcome: &'static str,
         /// `processing` (no result yet) or `completed`.
         status: &'static str,
+        #[schema(value_type = Option<String>, format = DateTime)]
         consumed_at: Option<String>,
         /// Any JSON value (object, array, string, number, boolean).
+        #[schema(schema_with = crate::http::openapi::any_json_or_null)]
         result: Option<Json>,
     },
 }
@@ -139,10 +142,10 @@ fn consume_response(key: &str, answer: ConsumeAnswer) -> HttpResponse {
 }
 
 /// Consume a client-supplied key: its first consume creates it, and exactly one attempt ever answers `consumed`.
-#[utoipa::path(post, path = "/v1/keys/consume", tag = "keys", request_body = KeyConsumeRequest,
+#[utoipa::path(post, path = "/v1/keys/consume", operation_id = "consumeKey", tag = "keys", request_body(content = KeyConsumeRequest, example = json!({"biz_type": "order", "key": "checkout-7f3a", "subject": "user-42", "fingerprint": "sha256:9f2c", "request_id": "req-7f3a"})),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "consumed, or duplicate (with Idempotent-Replayed: true); a retry with the winning request_id answers consumed with the header", body = KeyConsumeResponse),
+        (status = 200, description = "consumed, or duplicate (with Idempotent-Replayed: true); a retry with the winning request_id answers consumed with the header", body = KeyConsumeResponse, example = json!({"outcome": "duplicate", "status": "processing", "consumed_at": "2026-12-02T07:30:05Z", "result": null})),
         (status = 400, description = "invalid_request (a key that is not 1 to 255 printable ASCII characters, among others)", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden, token_mismatch (another subject than the key's)", body = super::ErrorBody),
@@ -179,10 +182,10 @@ impl BodyLimit for KeyResultRequest {
 }
 
 /// Record the business result of a consumed key.
-#[utoipa::path(post, path = "/v1/keys/result", tag = "keys", request_body = KeyResultRequest,
+#[utoipa::path(post, path = "/v1/keys/result", operation_id = "recordKeyResult", tag = "keys", request_body(content = KeyResultRequest, example = json!({"biz_type": "order", "key": "checkout-7f3a", "result": {"payment_id": "pay-881", "status": "succeeded"}})),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "recorded (the same result again: recorded, with Idempotent-Replayed: true)", body = OutcomeResponse),
+        (status = 200, description = "recorded (the same result again: recorded, with Idempotent-Replayed: true)", body = OutcomeResponse, example = json!({"outcome": "recorded"})),
         (status = 400, description = "invalid_request", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden", body = super::ErrorBody),
@@ -227,10 +230,10 @@ pub struct KeyReleaseRequest {
 impl BodyLimit for KeyReleaseRequest {}
 
 /// Give a consumed key back (the business step failed before any side effect): it can be consumed again.
-#[utoipa::path(post, path = "/v1/keys/release", tag = "keys", request_body = KeyReleaseRequest,
+#[utoipa::path(post, path = "/v1/keys/release", operation_id = "releaseKey", tag = "keys", request_body(content = KeyReleaseRequest, example = json!({"biz_type": "order", "key": "checkout-7f3a"})),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "released", body = OutcomeResponse),
+        (status = 200, description = "released", body = OutcomeResponse, example = json!({"outcome": "released"})),
         (status = 400, description = "invalid_request", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden", body = super::ErrorBody),
@@ -255,9 +258,11 @@ pub async fn release(
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct KeyQuery {
-    /// The biz type.
+    /// The biz type (required: 400 without it).
+    #[param(required = true, value_type = String, example = "order")]
     pub biz_type: Option<String>,
-    /// The key (URL-encoded).
+    /// The key (URL-encoded; required: 400 without it).
+    #[param(required = true, value_type = String, example = "checkout-7f3a")]
     pub key: Option<String>,
 }
 
@@ -268,16 +273,18 @@ pub struct KeyStateResponse {
     /// `issued` (released, consumable again) or `consumed`.
     #[schema(example = "consumed")]
     pub state: &'static str,
+    #[schema(value_type = Option<String>, format = DateTime)]
     pub consumed_at: Option<String>,
     /// Any JSON value, as recorded.
+    #[schema(schema_with = crate::http::openapi::any_json_or_null)]
     pub result: Option<Json>,
 }
 
 /// Read a key's state (this client's key): never consumes, never counts as a duplicate.
-#[utoipa::path(get, path = "/v1/keys", tag = "keys", params(KeyQuery),
+#[utoipa::path(get, path = "/v1/keys", operation_id = "getKeyState", tag = "keys", params(KeyQuery),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "The key's state", body = KeyStateResponse),
+        (status = 200, description = "The key's state", body = KeyStateResponse, example = json!({"key": "checkout-7f3a", "biz_type": "order", "state": "consumed", "consumed_at": "2026-12-02T07:30:05Z", "result": null})),
         (status = 400, description = "invalid_request", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden", body = super::ErrorBody),

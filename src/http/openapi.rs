@@ -170,6 +170,10 @@ impl Modify for Common {
                         "rate_limited: over the client's request ceiling (with Retry-After)",
                     ));
                     add.push(("500", "internal"));
+                    add.push((
+                        "503",
+                        "unavailable: Postgres or Redis cannot be reached (with Retry-After); nothing changed",
+                    ));
                 }
                 if op.request_body.is_some() {
                     add.push(("400", "invalid_request: a body that does not parse, unknown fields, bad types or values"));
@@ -193,6 +197,12 @@ impl Modify for Common {
                         "X-Request-Id".to_owned(),
                         header("The request's id (the caller's X-Request-Id when it sent a valid one), also in the logs", Type::String),
                     );
+                    if status == "405" {
+                        response.headers.insert(
+                            "Allow".to_owned(),
+                            header("The one method this path answers", Type::String),
+                        );
+                    }
                     if status == "429" || status == "503" {
                         response.headers.insert(
                             "Retry-After".to_owned(),
@@ -211,7 +221,84 @@ impl Modify for Common {
                 }
             }
         }
+        // The reconcile body may be left out (no body is `{}`), but when
+        // sent it is an object: `null` is 400.
+        if let Some(body) = openapi
+            .paths
+            .paths
+            .get_mut("/v1/admin/reconcile")
+            .and_then(|item| item.post.as_mut())
+            .and_then(|op| op.request_body.as_mut())
+        {
+            body.required = Some(utoipa::openapi::Required::False);
+        }
+        // The audit filters take any text (a value no event has finds
+        // nothing): no syntax there.
+        for (path, item) in openapi.paths.paths.iter_mut() {
+            if path == "/v1/admin/audit" {
+                continue;
+            }
+            for op in [item.get.as_mut(), item.post.as_mut()]
+                .into_iter()
+                .flatten()
+            {
+                for p in op.parameters.iter_mut().flatten() {
+                    if let Some(RefOr::T(utoipa::openapi::Schema::Object(o))) = p.schema.as_mut() {
+                        constrain(&p.name, o);
+                    }
+                }
+            }
+        }
+        // On these reads an empty query value counts as absent (`?until=`):
+        // a typed parameter also takes the empty string.
+        for path in ["/v1/admin/audit", "/v1/admin/reconcile/runs"] {
+            let Some(op) = openapi
+                .paths
+                .paths
+                .get_mut(path)
+                .and_then(|i| i.get.as_mut())
+            else {
+                continue;
+            };
+            for p in op.parameters.iter_mut().flatten() {
+                let plain = matches!(
+                    p.schema.as_ref(),
+                    Some(RefOr::T(utoipa::openapi::Schema::Object(o)))
+                        if o.format.is_none()
+                            && o.pattern.is_none()
+                            && o.enum_values.is_none()
+                            && matches!(&o.schema_type, utoipa::openapi::schema::SchemaType::Type(Type::String))
+                );
+                if plain {
+                    continue;
+                }
+                if let Some(typed) = p.schema.take() {
+                    let empty = ObjectBuilder::new()
+                        .schema_type(Type::String)
+                        .max_length(Some(0))
+                        .description(Some("empty: as if absent"));
+                    p.schema = Some(
+                        utoipa::openapi::schema::AnyOfBuilder::new()
+                            .item(typed)
+                            .item(empty)
+                            .into(),
+                    );
+                }
+            }
+        }
         if let Some(components) = openapi.components.as_mut() {
+            for (name, schema) in components.schemas.iter_mut() {
+                if !name.ends_with("Request") {
+                    continue;
+                }
+                if let RefOr::T(utoipa::openapi::Schema::Object(o)) = schema {
+                    for (field, prop) in o.properties.iter_mut() {
+                        if let RefOr::T(utoipa::openapi::Schema::Object(p)) = prop {
+                            constrain(field, p);
+                        }
+                    }
+                }
+            }
             if let Some(RefOr::T(utoipa::openapi::Schema::Object(body))) =
                 components.schemas.get_mut("ErrorBody")
             {
@@ -226,6 +313,48 @@ impl Modify for Common {
             }
         }
     }
+}
+
+/// The syntax the handlers check (src/domain.rs, src/domain/key.rs,
+/// src/http/tokens.rs), as JSON Schema, by field or parameter name: a value
+/// the pattern refuses is refused by the service (400), and the other way
+/// round. Applied to every `*Request` body and every query and path
+/// parameter. Refusals JSON Schema cannot express (a token's tag, a cursor
+/// this service did not hand out, a `ttl_seconds` beyond the biz type's)
+/// stay in the descriptions.
+const SYNTAX: &[(&str, &str)] = &[
+    ("biz_type", "^[a-z][a-z0-9-]{0,31}$"),
+    ("bizType", "^[a-z][a-z0-9-]{0,31}$"),
+    ("fingerprint", "^[ -~]{1,128}$"),
+    ("request_id", "^[ -~]{1,128}$"),
+    ("key", "^[ -~]{1,255}$"),
+    ("order_id", "^[A-Za-z0-9_-]{1,64}$"),
+    ("currency", "^[A-Z]{3}$"),
+    ("token", "^[A-Za-z0-9_-]{1,128}$"),
+    ("subject", "^[^\\x00-\\x1f\\x7f-\\x9f]{1,128}$"),
+    ("userId", "^[^\\x00-\\x1f\\x7f-\\x9f]{1,128}$"),
+];
+
+fn constrain(name: &str, o: &mut utoipa::openapi::schema::Object) {
+    if let Some((_, pattern)) = SYNTAX.iter().find(|(n, _)| *n == name) {
+        o.pattern = Some((*pattern).to_owned());
+    }
+    if name == "amount_minor" {
+        o.minimum = Some(1f64.into());
+        o.maximum = Some(1e15f64.into());
+    }
+}
+
+/// A recorded result: any JSON value, or null while there is none. Typeless,
+/// so that `null` matches it once (a `oneOf` of null and any value would
+/// match null twice, and a validator rejects it).
+pub fn any_json_or_null() -> utoipa::openapi::schema::Object {
+    ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::SchemaType::AnyValue)
+        .description(Some(
+            "The recorded result: any JSON value (object, array, string, number, boolean), or null while there is none",
+        ))
+        .build()
 }
 
 /// A string schema holding exactly `values`, taken from a Rust enum's `ALL`
@@ -403,7 +532,9 @@ mod tests {
             .iter()
             .find(|p| p["name"] == "limit")
             .expect("limit")["schema"];
-        assert_eq!(limit["type"], "integer", "{limit}");
+        // An empty `limit=` counts as absent: the integer or the empty string.
+        assert_eq!(limit["anyOf"][0]["type"], "integer", "{limit}");
+        assert_eq!(limit["anyOf"][1]["maxLength"], 0, "{limit}");
     }
 
     /// The closed sets are enums holding exactly the Rust enums' values, and
@@ -528,6 +659,185 @@ mod tests {
                     responses[status].is_object(),
                     "{event}: no {status} in {responses}"
                 );
+            }
+        }
+    }
+
+    fn operations(doc: &serde_json::Value) -> Vec<(String, String, serde_json::Value)> {
+        let mut ops = Vec::new();
+        for (path, item) in doc["paths"].as_object().expect("paths") {
+            for (method, op) in item.as_object().expect("operations") {
+                ops.push((path.clone(), method.clone(), op.clone()));
+            }
+        }
+        ops
+    }
+
+    /// Generators (openapi-generator, openapi-python-client) name a method
+    /// per operationId and a type per schema: ids are present, unique, and
+    /// none equals a schema name, ignoring case.
+    #[test]
+    fn operation_ids_are_unique_and_clash_with_no_schema() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        let schemas: Vec<String> = doc["components"]["schemas"]
+            .as_object()
+            .expect("schemas")
+            .keys()
+            .map(|k| k.to_lowercase())
+            .collect();
+        let mut seen = std::collections::HashSet::new();
+        for (path, method, op) in operations(&doc) {
+            let id = op["operationId"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{method} {path}: no operationId"));
+            assert!(seen.insert(id.to_lowercase()), "{id} used twice");
+            assert!(
+                !schemas.contains(&id.to_lowercase()),
+                "{method} {path}: operationId {id} is also a schema name"
+            );
+        }
+        assert_eq!(seen.len(), 28, "{seen:?}");
+        for id in [
+            "consumetoken",
+            "consumekey",
+            "createorder",
+            "adminreleasekey",
+        ] {
+            assert!(seen.contains(id), "no {id}");
+        }
+    }
+
+    /// Every /v1 route needs a key (401), counts against the client's
+    /// ceiling (429) and reads or writes Postgres or Redis (503). There is
+    /// no /v1 route for which one of these is impossible; the seed's alias
+    /// under /api shares all three.
+    #[test]
+    fn every_keyed_route_declares_401_429_503() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        let mut keyed = 0;
+        for (path, method, op) in operations(&doc) {
+            if !(path.starts_with("/v1/") || path.starts_with("/api/")) {
+                continue;
+            }
+            keyed += 1;
+            for s in ["401", "429", "503"] {
+                assert!(op["responses"][s].is_object(), "{method} {path}: no {s}");
+            }
+        }
+        assert!(keyed >= 24, "{keyed}");
+    }
+
+    /// Every time in a body is `format: date-time`: each property named
+    /// `at` or `*_at`, in every schema, nested ones included.
+    #[test]
+    fn times_are_date_time() {
+        fn walk(v: &serde_json::Value, at: &str, found: &mut usize) {
+            match v {
+                serde_json::Value::Object(map) => {
+                    if let Some(serde_json::Value::Object(props)) = map.get("properties") {
+                        for (name, prop) in props {
+                            if name == "at" || name.ends_with("_at") {
+                                *found += 1;
+                                assert_eq!(prop["format"], "date-time", "{at}.{name}: {prop}");
+                            }
+                        }
+                    }
+                    for (k, child) in map {
+                        walk(child, &format!("{at}/{k}"), found);
+                    }
+                }
+                serde_json::Value::Array(items) => {
+                    for child in items {
+                        walk(child, at, found);
+                    }
+                }
+                _ => {}
+            }
+        }
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        let mut found = 0;
+        walk(&doc["components"], "components", &mut found);
+        assert!(found >= 20, "only {found} times");
+        let audit = doc["paths"]["/v1/admin/audit"]["get"]["parameters"]
+            .as_array()
+            .expect("parameters");
+        for name in ["since", "until"] {
+            let p = audit.iter().find(|p| p["name"] == name).expect(name);
+            assert_eq!(p["schema"]["anyOf"][0]["format"], "date-time", "{p}");
+        }
+    }
+
+    /// Each operation shows an example of its request body and of its main
+    /// success answer.
+    #[test]
+    fn every_operation_has_examples() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        for (path, method, op) in operations(&doc) {
+            if let Some(content) = op["requestBody"]["content"].as_object() {
+                for (media, c) in content {
+                    assert!(
+                        !c["example"].is_null(),
+                        "{method} {path}: no request example ({media})"
+                    );
+                }
+            }
+            let ok = ["200", "201"]
+                .iter()
+                .map(|s| &op["responses"][*s])
+                .find(|r| r.is_object())
+                .unwrap_or_else(|| panic!("{method} {path}: no 200 or 201"));
+            let content = ok["content"]
+                .as_object()
+                .unwrap_or_else(|| panic!("{method} {path}: success without content"));
+            assert!(
+                content.values().any(|c| !c["example"].is_null()),
+                "{method} {path}: no response example"
+            );
+        }
+    }
+
+    /// The key reads answer 400 without their query parameters: the spec
+    /// says they are required.
+    #[test]
+    fn key_reads_require_their_query() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        for (path, names) in [
+            ("/v1/keys", &["biz_type", "key"][..]),
+            ("/v1/admin/keys", &["client", "biz_type", "key"][..]),
+        ] {
+            let params = doc["paths"][path]["get"]["parameters"]
+                .as_array()
+                .expect("parameters");
+            for name in names {
+                let p = params.iter().find(|p| p["name"] == *name).expect(name);
+                assert_eq!(p["required"], true, "{path}?{name}: {p}");
+            }
+        }
+    }
+
+    /// A duplicate with `"result": null` matches exactly one branch of the
+    /// consume answers' `oneOf`: `result` is typeless (null included), not
+    /// a `oneOf` of null and any value (which null would match twice).
+    #[test]
+    fn a_null_result_matches_one_branch() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        let schemas = &doc["components"]["schemas"];
+        for (schema, branch) in [
+            ("ConsumeResponse", Some(1)),
+            ("KeyConsumeResponse", Some(1)),
+            ("TokenStateResponse", None),
+            ("KeyStateResponse", None),
+            ("TokenView", None),
+            ("KeyView", None),
+        ] {
+            let s = match branch {
+                Some(i) => &schemas[schema]["oneOf"][i],
+                None => &schemas[schema],
+            };
+            let result = &s["properties"]["result"];
+            assert!(result.is_object(), "{schema}: no result");
+            for k in ["oneOf", "anyOf", "type", "$ref"] {
+                assert!(result.get(k).is_none(), "{schema}.result has {k}: {result}");
             }
         }
     }

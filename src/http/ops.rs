@@ -11,7 +11,7 @@ use super::AppState;
 use crate::health::Mode;
 
 /// Liveness: 200 while the process runs.
-#[utoipa::path(get, path = "/healthz", tag = "operations", responses((status = 200, description = "alive")))]
+#[utoipa::path(get, path = "/healthz", operation_id = "healthz", tag = "operations", responses((status = 200, description = "alive", body = Object, example = json!({"status": "ok"}))))]
 pub async fn healthz() -> HttpResponse {
     HttpResponse::Ok().json(serde_json::json!({"status": "ok"}))
 }
@@ -60,8 +60,8 @@ fn redis_state(mode: Mode) -> &'static str {
 }
 
 /// Readiness: 200 while durable consumes can be decided, else 503, same body.
-#[utoipa::path(get, path = "/readyz", tag = "operations", responses(
-    (status = 200, description = "ready", body = Readiness),
+#[utoipa::path(get, path = "/readyz", operation_id = "readyz", tag = "operations", responses(
+    (status = 200, description = "ready", body = Readiness, example = json!({"postgres": "up", "redis": "up", "mode": "normal", "worker_id": 3, "fleet": {"state": "normal", "epoch": 1, "members": 2, "redis_down_members": 0, "redis_decides_here": true}})),
     (status = 503, description = "cannot decide durable consumes (Postgres down)", body = Readiness)))]
 pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
     let ledger = &state.ledger;
@@ -92,7 +92,7 @@ pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
 }
 
 /// Prometheus text exposition.
-#[utoipa::path(get, path = "/metrics", tag = "operations", responses((status = 200, description = "Prometheus text format", content_type = "text/plain")))]
+#[utoipa::path(get, path = "/metrics", operation_id = "metrics", tag = "operations", responses((status = 200, description = "Prometheus text format", body = String, content_type = "text/plain", example = "# TYPE ledger_tokens_issued_total counter\nledger_tokens_issued_total{biz_type=\"order\"} 120\n")))]
 pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
@@ -100,7 +100,7 @@ pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
 }
 
 /// This document.
-#[utoipa::path(get, path = "/openapi.json", tag = "operations", responses((status = 200, description = "OpenAPI 3 description")))]
+#[utoipa::path(get, path = "/openapi.json", operation_id = "openapiSpec", tag = "operations", responses((status = 200, description = "OpenAPI 3 description", body = Object, example = json!({"openapi": "3.1.0", "info": {"title": "idempotency-ledger", "version": "0.1.0"}, "paths": {}}))))]
 pub async fn openapi() -> HttpResponse {
     HttpResponse::Ok().json(super::openapi::ApiDoc::openapi())
 }

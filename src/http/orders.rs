@@ -53,6 +53,7 @@ pub struct OrderEventBody {
     /// The token the event consumed (null for `order.created`).
     pub token: Option<String>,
     pub amount_minor: i64,
+    #[schema(value_type = String, format = DateTime)]
     pub at: String,
 }
 
@@ -66,7 +67,9 @@ pub struct OrderBody {
     pub amount_minor: i64,
     pub refunded_minor: i64,
     pub currency: String,
+    #[schema(value_type = String, format = DateTime)]
     pub created_at: String,
+    #[schema(value_type = String, format = DateTime)]
     pub updated_at: String,
     /// Oldest first, starting with `order.created`.
     pub events: Vec<OrderEventBody>,
@@ -127,11 +130,11 @@ fn amount(n: i64, field: &str) -> Result<i64, ApiError> {
 }
 
 /// Create an order (idempotent: the same body again answers 200 with `Idempotent-Replayed: true`).
-#[utoipa::path(post, path = "/v1/orders", tag = "orders", request_body = CreateOrderRequest,
+#[utoipa::path(post, path = "/v1/orders", operation_id = "createOrder", tag = "orders", request_body(content = CreateOrderRequest, example = json!({"order_id": "ord-1001", "subject": "user-42", "amount_minor": 1000, "currency": "CNY"})),
     security(("api_key" = [])),
     responses(
-        (status = 201, description = "Created", body = OrderBody),
-        (status = 200, description = "The same body again (Idempotent-Replayed: true)", body = OrderBody),
+        (status = 201, description = "Created", body = OrderBody, example = json!({"order_id": "ord-1001", "subject": "user-42", "state": "CREATED", "amount_minor": 1000, "refunded_minor": 0, "currency": "CNY", "created_at": "2026-12-02T07:30:00Z", "updated_at": "2026-12-02T07:30:00Z", "events": [{"kind": "order.created", "token": null, "amount_minor": 1000, "at": "2026-12-02T07:30:00Z"}]})),
+        (status = 200, description = "The same body again (Idempotent-Replayed: true)", body = OrderBody, example = json!({"order_id": "ord-1001", "subject": "user-42", "state": "CREATED", "amount_minor": 1000, "refunded_minor": 0, "currency": "CNY", "created_at": "2026-12-02T07:30:00Z", "updated_at": "2026-12-02T07:30:00Z", "events": [{"kind": "order.created", "token": null, "amount_minor": 1000, "at": "2026-12-02T07:30:00Z"}]})),
         (status = 400, description = "invalid_request", body = super::ErrorBody),
         (status = 409, description = "order_conflict: the id is taken with another body or by another client", body = super::ErrorBody),
     ))]
@@ -163,11 +166,11 @@ pub async fn create(
 }
 
 /// An order with its events (other service clients: 404; admins see all).
-#[utoipa::path(get, path = "/v1/orders/{order_id}", tag = "orders",
+#[utoipa::path(get, path = "/v1/orders/{order_id}", operation_id = "getOrder", tag = "orders",
     params(("order_id" = String, Path)),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "The order", body = OrderBody),
+        (status = 200, description = "The order", body = OrderBody, example = json!({"order_id": "ord-1001", "subject": "user-42", "state": "PAID", "amount_minor": 1000, "refunded_minor": 0, "currency": "CNY", "created_at": "2026-12-02T07:30:00Z", "updated_at": "2026-12-02T07:30:05Z", "events": [{"kind": "order.created", "token": null, "amount_minor": 1000, "at": "2026-12-02T07:30:00Z"}, {"kind": "order.paid", "token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "amount_minor": 1000, "at": "2026-12-02T07:30:05Z"}]})),
         (status = 404, description = "order_not_found", body = super::ErrorBody),
     ))]
 pub async fn get(
@@ -292,11 +295,11 @@ enum EventErrors {
 }
 
 /// Pay: CREATED -> PAID, consuming the token in the same transaction.
-#[utoipa::path(post, path = "/v1/orders/{order_id}/pay", tag = "orders", request_body = PayRequest,
+#[utoipa::path(post, path = "/v1/orders/{order_id}/pay", operation_id = "payOrder", tag = "orders", request_body(content = PayRequest, example = json!({"token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "fingerprint": "sha256:9f2c", "request_id": "req-pay-1"})),
     params(("order_id" = String, Path)),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "applied; or duplicate / a retry of the winning request_id (Idempotent-Replayed: true)", body = EventResponse),
+        (status = 200, description = "applied; or duplicate / a retry of the winning request_id (Idempotent-Replayed: true)", body = EventResponse, example = json!({"outcome": "applied", "order": {"order_id": "ord-1001", "subject": "user-42", "state": "PAID", "amount_minor": 1000, "refunded_minor": 0, "currency": "CNY", "created_at": "2026-12-02T07:30:00Z", "updated_at": "2026-12-02T07:30:05Z", "events": [{"kind": "order.created", "token": null, "amount_minor": 1000, "at": "2026-12-02T07:30:00Z"}, {"kind": "order.paid", "token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "amount_minor": 1000, "at": "2026-12-02T07:30:05Z"}]}})),
         EventErrors,
     ))]
 pub async fn pay(
@@ -321,11 +324,11 @@ pub async fn pay(
 }
 
 /// Refund: PAID/PARTIALLY_REFUNDED -> PARTIALLY_REFUNDED/REFUNDED; never beyond the paid amount.
-#[utoipa::path(post, path = "/v1/orders/{order_id}/refund", tag = "orders", request_body = RefundRequest,
+#[utoipa::path(post, path = "/v1/orders/{order_id}/refund", operation_id = "refundOrder", tag = "orders", request_body(content = RefundRequest, example = json!({"token": "refund_AZJxkq9mQ0uW1c2f8a9b_k1_Pq2Lx7Yh", "amount_minor": 400, "reason": "damaged item", "request_id": "req-refund-1"})),
     params(("order_id" = String, Path)),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "applied; or duplicate (Idempotent-Replayed: true)", body = EventResponse),
+        (status = 200, description = "applied; or duplicate (Idempotent-Replayed: true)", body = EventResponse, example = json!({"outcome": "applied", "order": {"order_id": "ord-1001", "subject": "user-42", "state": "PAID", "amount_minor": 1000, "refunded_minor": 0, "currency": "CNY", "created_at": "2026-12-02T07:30:00Z", "updated_at": "2026-12-02T07:30:05Z", "events": [{"kind": "order.created", "token": null, "amount_minor": 1000, "at": "2026-12-02T07:30:00Z"}, {"kind": "order.paid", "token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "amount_minor": 1000, "at": "2026-12-02T07:30:05Z"}]}})),
         EventErrors,
     ))]
 pub async fn refund(
@@ -356,11 +359,11 @@ pub async fn refund(
 }
 
 /// Close: CREATED -> CLOSED.
-#[utoipa::path(post, path = "/v1/orders/{order_id}/close", tag = "orders", request_body = CloseRequest,
+#[utoipa::path(post, path = "/v1/orders/{order_id}/close", operation_id = "closeOrder", tag = "orders", request_body(content = CloseRequest, example = json!({"token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "request_id": "req-close-1"})),
     params(("order_id" = String, Path)),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "applied; or duplicate (Idempotent-Replayed: true)", body = EventResponse),
+        (status = 200, description = "applied; or duplicate (Idempotent-Replayed: true)", body = EventResponse, example = json!({"outcome": "applied", "order": {"order_id": "ord-1001", "subject": "user-42", "state": "PAID", "amount_minor": 1000, "refunded_minor": 0, "currency": "CNY", "created_at": "2026-12-02T07:30:00Z", "updated_at": "2026-12-02T07:30:05Z", "events": [{"kind": "order.created", "token": null, "amount_minor": 1000, "at": "2026-12-02T07:30:00Z"}, {"kind": "order.paid", "token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "amount_minor": 1000, "at": "2026-12-02T07:30:05Z"}]}})),
         EventErrors,
     ))]
 pub async fn close(

@@ -51,16 +51,17 @@ pub struct IssueResponse {
     pub biz_type: String,
     pub subject: String,
     /// RFC 3339 UTC.
+    #[schema(value_type = String, format = DateTime)]
     pub expires_at: String,
     /// Seconds the token lives.
     pub expire_time: u64,
 }
 
 /// Issue a one-time token.
-#[utoipa::path(post, path = "/v1/tokens", tag = "tokens", request_body = IssueRequest,
+#[utoipa::path(post, path = "/v1/tokens", operation_id = "issueToken", tag = "tokens", request_body(content = IssueRequest, example = json!({"biz_type": "order", "subject": "user-42", "ttl_seconds": 60})),
     security(("api_key" = [])),
     responses(
-        (status = 201, description = "Issued", body = IssueResponse),
+        (status = 201, description = "Issued", body = IssueResponse, example = json!({"token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "biz_type": "order", "subject": "user-42", "expires_at": "2026-12-02T07:31:00Z", "expire_time": 60})),
         (status = 400, description = "invalid_request", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: biz type not granted", body = super::ErrorBody),
@@ -92,9 +93,11 @@ pub async fn issue(
 #[into_params(parameter_in = Query, rename_all = "camelCase")]
 #[serde(rename_all = "camelCase")]
 pub struct GenerateQuery {
-    /// The biz type.
+    /// The biz type (required: 400 without it).
+    #[param(required = true, value_type = String, example = "order")]
     pub biz_type: Option<String>,
-    /// The subject (user id).
+    /// The subject (user id; required: 400 without it).
+    #[param(required = true, value_type = String, example = "user-42")]
     pub user_id: Option<String>,
 }
 
@@ -106,10 +109,10 @@ pub struct GenerateResponse {
 }
 
 /// The seed article's issue call, kept for compatibility (same auth and rate limit).
-#[utoipa::path(get, path = "/api/token/generate", tag = "tokens", params(GenerateQuery),
+#[utoipa::path(get, path = "/api/token/generate", operation_id = "generateTokenAlias", tag = "tokens", params(GenerateQuery),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "Issued", body = GenerateResponse),
+        (status = 200, description = "Issued", body = GenerateResponse, example = json!({"token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "expireTime": 60})),
         (status = 400, description = "invalid_request", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden", body = super::ErrorBody),
@@ -209,6 +212,7 @@ pub enum ConsumeResponse {
         #[schema(value_type = crate::ledger::AnswerOutcome, example = "consumed")]
         outcome: &'static str,
         token: String,
+        #[schema(value_type = String, format = DateTime)]
         consumed_at: String,
     },
     Duplicate {
@@ -218,8 +222,10 @@ pub enum ConsumeResponse {
         /// `processing` (no result yet) or `completed`.
         #[schema(value_type = crate::ledger::DuplicateStatus)]
         status: &'static str,
+        #[schema(value_type = Option<String>, format = DateTime)]
         consumed_at: Option<String>,
         /// Any JSON value (object, array, string, number, boolean).
+        #[schema(schema_with = crate::http::openapi::any_json_or_null)]
         result: Option<Json>,
     },
 }
@@ -259,11 +265,11 @@ pub fn consume_response(token: &str, answer: ConsumeAnswer) -> HttpResponse {
 }
 
 /// Consume a token: exactly one attempt ever answers `consumed`.
-#[utoipa::path(post, path = "/v1/tokens/{token}/consume", tag = "tokens", request_body = ConsumeRequest,
+#[utoipa::path(post, path = "/v1/tokens/{token}/consume", operation_id = "consumeToken", tag = "tokens", request_body(content = ConsumeRequest, example = json!({"subject": "user-42", "biz_type": "order", "fingerprint": "sha256:9f2c", "request_id": "req-7f3a"})),
     params(("token" = String, Path, description = "The token text")),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "consumed, or duplicate (with Idempotent-Replayed: true); a retry with the winning request_id answers consumed with the header", body = ConsumeResponse),
+        (status = 200, description = "consumed, or duplicate (with Idempotent-Replayed: true); a retry with the winning request_id answers consumed with the header", body = ConsumeResponse, example = json!({"outcome": "consumed", "token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "consumed_at": "2026-12-02T07:30:05Z"})),
         (status = 400, description = "invalid_request, token_invalid, token_expired", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden, token_mismatch", body = super::ErrorBody),
@@ -306,11 +312,11 @@ pub struct OutcomeResponse {
 }
 
 /// Record the business result of a consumed token.
-#[utoipa::path(post, path = "/v1/tokens/{token}/result", tag = "tokens", request_body = ResultRequest,
+#[utoipa::path(post, path = "/v1/tokens/{token}/result", operation_id = "recordTokenResult", tag = "tokens", request_body(content = ResultRequest, example = json!({"subject": "user-42", "result": {"payment_id": "pay-881", "status": "succeeded"}})),
     params(("token" = String, Path, description = "The token text")),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "recorded (the same result again: recorded, with Idempotent-Replayed: true)", body = OutcomeResponse),
+        (status = 200, description = "recorded (the same result again: recorded, with Idempotent-Replayed: true)", body = OutcomeResponse, example = json!({"outcome": "recorded"})),
         (status = 400, description = "invalid_request, token_invalid", body = super::ErrorBody),
         (status = 403, description = "token_mismatch, forbidden", body = super::ErrorBody),
         (status = 409, description = "result_already_set, not_consumed", body = super::ErrorBody),
@@ -351,11 +357,11 @@ pub struct ReleaseRequest {
 impl BodyLimit for ReleaseRequest {}
 
 /// Give a consumed token back (the business step failed before any side effect).
-#[utoipa::path(post, path = "/v1/tokens/{token}/release", tag = "tokens", request_body = ReleaseRequest,
+#[utoipa::path(post, path = "/v1/tokens/{token}/release", operation_id = "releaseToken", tag = "tokens", request_body(content = ReleaseRequest, example = json!({"subject": "user-42"})),
     params(("token" = String, Path, description = "The token text")),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "released", body = OutcomeResponse),
+        (status = 200, description = "released", body = OutcomeResponse, example = json!({"outcome": "released"})),
         (status = 400, description = "invalid_request, token_invalid", body = super::ErrorBody),
         (status = 403, description = "token_mismatch, forbidden", body = super::ErrorBody),
         (status = 409, description = "not_releasable", body = super::ErrorBody),
@@ -396,11 +402,14 @@ pub struct TokenStateResponse {
     #[schema(value_type = crate::domain::TokenStatus)]
     pub state: &'static str,
     /// RFC 3339 UTC.
+    #[schema(value_type = String, format = DateTime)]
     pub expires_at: String,
     /// Set while consumed.
+    #[schema(value_type = Option<String>, format = DateTime)]
     pub consumed_at: Option<String>,
     /// The recorded result (any JSON value), once there is one: `consumed`
     /// with a result is `completed`, without one `processing`.
+    #[schema(schema_with = crate::http::openapi::any_json_or_null)]
     pub result: Option<Json>,
 }
 
@@ -422,13 +431,13 @@ impl TokenStateResponse {
 /// answer from Postgres; fast ones from Redis (Postgres when Redis does not
 /// hold the token or is unreachable). A token past its expiry is 200
 /// `expired`, not `token_expired`.
-#[utoipa::path(get, path = "/v1/tokens/{token}", tag = "tokens", params(
+#[utoipa::path(get, path = "/v1/tokens/{token}", operation_id = "getTokenState", tag = "tokens", params(
         ("token" = String, Path, description = "The token text"),
         StateQuery,
     ),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "The token's state", body = TokenStateResponse),
+        (status = 200, description = "The token's state", body = TokenStateResponse, example = json!({"token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "biz_type": "order", "state": "consumed", "expires_at": "2026-12-02T07:31:00Z", "consumed_at": "2026-12-02T07:30:05Z", "result": {"payment_id": "pay-881", "status": "succeeded"}})),
         (status = 400, description = "invalid_request (no subject, unknown query parameters), token_invalid", body = super::ErrorBody),
         (status = 403, description = "token_mismatch (another subject or client), forbidden (biz type not granted)", body = super::ErrorBody),
         (status = 422, description = "unknown_biz_type", body = super::ErrorBody),

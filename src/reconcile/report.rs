@@ -209,7 +209,9 @@ pub struct Report {
     /// The run's id in the recorded runs (`GET /v1/admin/reconcile/runs`);
     /// null when it could not be recorded.
     pub id: Option<String>,
+    #[schema(value_type = String, format = DateTime)]
     pub started_at: String,
+    #[schema(value_type = String, format = DateTime)]
     pub finished_at: String,
     pub dry_run: bool,
     pub scanned: Scanned,
