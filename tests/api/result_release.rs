@@ -302,3 +302,117 @@ async fn release_racing_duplicates_never_leaves_a_false_duplicate() {
         assert_eq!(consumed_by_racers + final_consumed, 1, "round {round}: {b}");
     }
 }
+
+/// Numbers at the edges of what JSON clients send (found by schemathesis: a
+/// result holding -1.7976931348623155e308 was stored, and every later read of
+/// it, the duplicate's answer, the key's view and the audit trail, answered
+/// 500 because Postgres writes it back as a 309-digit integer).
+#[tokio::test]
+async fn results_with_extreme_numbers_read_back_as_recorded() {
+    let app = spawn_app().await;
+    let result = json!({
+        "near_min": -1.797_693_134_862_315_5e308,
+        "max": f64::MAX,
+        "min_positive": f64::MIN_POSITIVE,
+        "subnormal": 5e-324,
+        "u64_max": u64::MAX,
+        "i64_min": i64::MIN,
+        "point_three": 0.300_000_000_000_000_04,
+        "big": 1e21,
+        "nested": [[-0.0, 1.5e300, -2.5e-300]],
+    });
+    for biz in BIZES {
+        // A token.
+        let token = app.issue(PAYMENTS, biz, "u").await;
+        let consumed = app
+            .consume(
+                PAYMENTS,
+                &token,
+                &json!({"subject": "u", "request_id": "r-1"}),
+            )
+            .await;
+        assert_eq!(consumed.status(), StatusCode::OK, "{biz}");
+        let (s, _, body) = answer(
+            app.post(
+                PAYMENTS,
+                &format!("/v1/tokens/{token}/result"),
+                &json!({"subject": "u", "result": result}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{biz}: {body}");
+        let (s, _, dup) = answer(
+            app.consume(
+                PAYMENTS,
+                &token,
+                &json!({"subject": "u", "request_id": "r-2"}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(
+            (s, dup["status"].as_str()),
+            (StatusCode::OK, Some("completed")),
+            "{biz}: {dup}"
+        );
+        assert_eq!(dup["result"], result, "{biz}: the token's duplicate");
+
+        // A client key.
+        let key = format!("k-{}", uuid::Uuid::new_v4());
+        let (s, _, body) = answer(
+            app.post(
+                PAYMENTS,
+                "/v1/keys/consume",
+                &json!({"biz_type": biz, "key": key, "request_id": "r-1"}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{biz}: {body}");
+        let (s, _, body) = answer(
+            app.post(
+                PAYMENTS,
+                "/v1/keys/result",
+                &json!({"biz_type": biz, "key": key, "result": result}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{biz}: {body}");
+        let (s, _, dup) = answer(
+            app.post(
+                PAYMENTS,
+                "/v1/keys/consume",
+                &json!({"biz_type": biz, "key": key, "request_id": "r-2"}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{biz}: {dup}");
+        assert_eq!(dup["result"], result, "{biz}: the key's duplicate");
+        let (s, _, view) = answer(
+            app.get(PAYMENTS, &format!("/v1/keys?biz_type={biz}&key={key}"))
+                .await,
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{biz}: {view}");
+        assert_eq!(view["result"], result, "{biz}: the key's view");
+    }
+    // The trail holds them too, once journaled.
+    eventually(10, || async {
+        let (s, _, trail) = answer(app.get(ADMIN, "/v1/admin/audit?limit=200").await).await;
+        assert_eq!(s, StatusCode::OK, "{trail}");
+        let results = trail["events"]
+            .as_array()
+            .map(|events| {
+                events
+                    .iter()
+                    .filter(|e| e["detail"]["result"] == result)
+                    .count()
+            })
+            .unwrap_or(0);
+        (results >= 4).then_some(())
+    })
+    .await;
+}
