@@ -309,6 +309,9 @@ async fn token(pool: &PgPool, codec: &TokenCodec, text: &str) -> Result<TokenVie
         });
     };
     let state = match (row.state, row.expired) {
+        (TokenState::Consumed, _) if row.result.is_none() && row.uncertain_since.is_some() => {
+            TokenStatus::Uncertain
+        }
         (TokenState::Consumed, _) => TokenStatus::Consumed,
         (TokenState::Issued, false) => TokenStatus::Issued,
         (TokenState::Issued, true) => TokenStatus::Expired,

@@ -144,18 +144,22 @@ impl Reason {
 
 /// A token's state as its readers see it (`GET /v1/tokens/{token}`, the
 /// admin view). Postgres stores `issued` and `consumed`; `expired` is a token
-/// never consumed and past its expiry, or one purged after its retention.
+/// never consumed and past its expiry, or one purged after its retention;
+/// `uncertain` a consumed one past its processing lease with neither result
+/// nor release.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TokenStatus {
     Issued,
     Consumed,
+    Uncertain,
     Expired,
 }
 
 impl TokenStatus {
-    pub const ALL: [TokenStatus; 3] = [
+    pub const ALL: [TokenStatus; 4] = [
         TokenStatus::Issued,
         TokenStatus::Consumed,
+        TokenStatus::Uncertain,
         TokenStatus::Expired,
     ];
 
@@ -164,6 +168,7 @@ impl TokenStatus {
         match self {
             TokenStatus::Issued => "issued",
             TokenStatus::Consumed => "consumed",
+            TokenStatus::Uncertain => "uncertain",
             TokenStatus::Expired => "expired",
         }
     }

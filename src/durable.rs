@@ -1,6 +1,7 @@
 //! The durable tier: Postgres. Owns the pools and every SQL statement
 //! ([`tokens`] for the token ledger, [`keys`] for client keys, [`journal`] for the fast-type journal's
-//! versioned apply, [`lease`] for snowflake worker ids,
+//! versioned apply, [`lease`] for snowflake worker ids, [`leases`] for
+//! processing leases and the uncertain queue,
 //! [`setup`] for database creation, migrations and start-up checks,
 //! [`admin`] for audit queries and stats, [`seal`] for sealed audit
 //! checkpoints, [`reconcile`] for reconciliation,
@@ -18,6 +19,7 @@ pub mod group;
 pub mod journal;
 pub mod keys;
 pub mod lease;
+pub mod leases;
 pub mod marks;
 pub mod orders;
 pub mod reconcile;

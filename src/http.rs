@@ -16,6 +16,7 @@ pub mod openapi;
 pub mod ops;
 pub mod orders;
 pub mod tokens;
+pub mod uncertain;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -120,6 +121,14 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             resource("/v1/admin/tokens/{token}/release", "POST")
                 .route(web::post().to(admin::release)),
         )
+        .service(
+            resource("/v1/admin/tokens/{token}/result", "POST")
+                .route(web::post().to(uncertain::token_result)),
+        )
+        .service(
+            resource("/v1/admin/keys/result", "POST").route(web::post().to(uncertain::key_result)),
+        )
+        .service(resource("/v1/admin/uncertain", "GET").route(web::get().to(uncertain::list)))
         .service(
             resource("/v1/admin/keys/release", "POST").route(web::post().to(admin::release_key)),
         )

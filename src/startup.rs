@@ -93,6 +93,13 @@ impl Application {
             .context("registering the reconcile metrics")?;
         metrics
             .registry
+            .register(Box::new(crate::ledger::uncertain_metric(
+                pools.admin.clone(),
+                settings.biz.keys().map(|b| b.to_string()).collect(),
+            )))
+            .context("registering the uncertain items metric")?;
+        metrics
+            .registry
             .register(Box::new(audit_seal::last_seal_metric(pools.admin.clone())))
             .context("registering the audit seal metric")?;
         let fast = FastTier::new(settings.redis.clone(), metrics.clone(), clock.clone());
@@ -170,6 +177,7 @@ impl Application {
             tokio::spawn(watch_redis(ledger.clone(), shutdown.clone())),
             tokio::spawn(prune_rate_limiters(ledger.clone(), shutdown.clone())),
             tokio::spawn(changes.listen(shutdown.clone())),
+            tokio::spawn(crate::ledger::run_sweeps(ledger.clone(), shutdown.clone())),
         ];
         // Sealed audit checkpoints, on the admin pool (one instance at a time).
         let seals = Seals::new(&settings.audit, pools.admin.clone());

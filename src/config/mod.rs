@@ -23,8 +23,8 @@ pub use parse::parse_duration;
 pub use redact::{redact, redact_url, REDACTED};
 pub use settings::{
     AuditSettings, BizSettings, BloomSettings, CaFile, Durability, Environment, FleetSettings,
-    LimitSettings, LogFormat, PostgresSettings, ReconcileSettings, RedisSettings, RedisTopology,
-    SealKey, ServerSettings, Settings, SigningKey, TokenSettings,
+    LeaseExpiry, LimitSettings, LogFormat, PostgresSettings, ProcessingLease, ReconcileSettings,
+    RedisSettings, RedisTopology, SealKey, ServerSettings, Settings, SigningKey, TokenSettings,
 };
 
 /// The documented defaults, compiled into the binary.

@@ -6,7 +6,7 @@ use std::fmt;
 
 use serde::Deserialize;
 
-use super::settings::{Durability, Environment, LogFormat};
+use super::settings::{Durability, Environment, LeaseExpiry, LogFormat};
 use crate::auth::Role;
 
 #[derive(Debug, Deserialize)]
@@ -168,4 +168,6 @@ pub(super) struct RawBiz {
     pub(super) durability: Durability,
     pub(super) issue_rate: Option<String>,
     pub(super) min_ttl: Option<String>,
+    pub(super) processing_lease: Option<String>,
+    pub(super) on_lease_expiry: Option<LeaseExpiry>,
 }

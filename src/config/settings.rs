@@ -37,6 +37,35 @@ impl Durability {
     }
 }
 
+/// What a processing lease's expiry does to a consumed token or key that
+/// has neither result nor release (`biz.<name>.on_lease_expiry`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LeaseExpiry {
+    /// The step's outcome is unknown: duplicates answer `uncertain` until the
+    /// consumer or an operator records a result or releases it.
+    #[default]
+    Uncertain,
+    /// The token returns to unconsumed by itself (steps safe to run again).
+    Release,
+}
+
+impl LeaseExpiry {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LeaseExpiry::Uncertain => "uncertain",
+            LeaseExpiry::Release => "release",
+        }
+    }
+}
+
+/// How long a consume may stay without result or release, and what its end does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessingLease {
+    pub length: Duration,
+    pub on_expiry: LeaseExpiry,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
@@ -295,6 +324,8 @@ pub struct BizSettings {
     pub issue_rate: Option<NonZeroU32>,
     /// The shortest lifetime a caller may ask for (`ttl_seconds`); at most `ttl`.
     pub min_ttl: Duration,
+    /// `processing_lease` and `on_lease_expiry`; `None`: no lease.
+    pub lease: Option<ProcessingLease>,
 }
 
 /// Development secrets shipped in the default config; refused in production.

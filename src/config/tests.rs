@@ -200,3 +200,60 @@ fn audit_seal_keys_are_checked_named_in_production_and_redacted() {
     );
     assert!(printed.contains(REDACTED), "{printed}");
 }
+
+#[test]
+fn processing_leases_parse_and_bad_ones_are_named() {
+    let s = Settings::from_toml_over_defaults(
+        r#"
+        [biz.like]
+        processing_lease = "30s"
+        on_lease_expiry = "release"
+        "#,
+    )
+    .expect("valid");
+    let like = &s.biz[&BizType::parse("like").unwrap()];
+    assert_eq!(
+        like.lease,
+        Some(ProcessingLease {
+            length: Duration::from_secs(30),
+            on_expiry: LeaseExpiry::Release,
+        })
+    );
+    assert_eq!(
+        s.biz[&BizType::parse("refund").unwrap()].lease,
+        None,
+        "none by default"
+    );
+    let s = Settings::from_toml_over_defaults("[biz.refund]\nprocessing_lease = \"2m\"")
+        .expect("valid");
+    assert_eq!(
+        s.biz[&BizType::parse("refund").unwrap()].lease,
+        Some(ProcessingLease {
+            length: Duration::from_secs(120),
+            on_expiry: LeaseExpiry::Uncertain,
+        }),
+        "uncertain by default"
+    );
+    for (bad, key) in [
+        (
+            "[biz.like]\nprocessing_lease = \"0s\"",
+            "biz.like.processing_lease",
+        ),
+        (
+            "[biz.like]\nprocessing_lease = \"1500ms\"",
+            "biz.like.processing_lease",
+        ),
+        (
+            "[biz.like]\non_lease_expiry = \"release\"",
+            "biz.like.on_lease_expiry",
+        ),
+    ] {
+        let err = Settings::from_toml_over_defaults(bad).unwrap_err();
+        assert!(err.to_string().contains(key), "{bad}: {err}");
+    }
+    let err = Settings::from_toml_over_defaults(
+        "[biz.like]\nprocessing_lease = \"5s\"\non_lease_expiry = \"retry\"",
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("on_lease_expiry"), "{err}");
+}

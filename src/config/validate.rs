@@ -12,8 +12,8 @@ use super::parse::{is_key_id, parse_duration, parse_rate};
 use super::raw::{Raw, RawAudit, RawBloom, RawLimits};
 use super::settings::{
     AuditSettings, BizSettings, BloomSettings, CaFile, Environment, FleetSettings, LimitSettings,
-    PostgresSettings, ReconcileSettings, RedisSettings, RedisTopology, SealKey, ServerSettings,
-    Settings, SigningKey, TokenSettings,
+    PostgresSettings, ProcessingLease, ReconcileSettings, RedisSettings, RedisTopology, SealKey,
+    ServerSettings, Settings, SigningKey, TokenSettings,
 };
 use super::ConfigError;
 use crate::auth::Client;
@@ -429,6 +429,31 @@ impl Raw {
                     ),
                 ));
             }
+            let lease = match b.processing_lease.as_deref() {
+                Some(t) => {
+                    let length = parse_duration(&format!("{key}.processing_lease"), t)?;
+                    if length < Duration::from_secs(1)
+                        || length > Duration::from_secs(366 * 86_400)
+                        || length.subsec_nanos() != 0
+                    {
+                        return Err(invalid(
+                            format!("{key}.processing_lease"),
+                            "must be whole seconds, between 1s and 366d",
+                        ));
+                    }
+                    Some(ProcessingLease {
+                        length,
+                        on_expiry: b.on_lease_expiry.unwrap_or_default(),
+                    })
+                }
+                None if b.on_lease_expiry.is_some() => {
+                    return Err(invalid(
+                        format!("{key}.on_lease_expiry"),
+                        "needs processing_lease",
+                    ))
+                }
+                None => None,
+            };
             biz.insert(
                 biz_type,
                 BizSettings {
@@ -436,6 +461,7 @@ impl Raw {
                     durability: b.durability,
                     issue_rate,
                     min_ttl,
+                    lease,
                 },
             );
         }

@@ -28,6 +28,8 @@ pub struct TokenRow {
     pub request_id: Option<String>,
     pub result: Option<Json>,
     pub duplicate_attempts: i64,
+    /// Marked by a processing lease's sweep (see V14).
+    pub uncertain_since: Option<DateTime<Utc>>,
 }
 
 /// One `audit_events` row.
@@ -88,7 +90,7 @@ async fn token(conn: &mut PgConnection, id: i64) -> Result<Option<TokenRow>, Dur
     let row = sqlx::query(
         "SELECT token, biz_type, subject, client, state, expires_at <= now() AS expired,
                 issued_at, expires_at, consumed_at, fingerprint, request_id, result,
-                duplicate_attempts
+                duplicate_attempts, uncertain_since
            FROM tokens WHERE id = $1",
     )
     .bind(id)
@@ -109,6 +111,7 @@ async fn token(conn: &mut PgConnection, id: i64) -> Result<Option<TokenRow>, Dur
         request_id: r.try_get("request_id")?,
         result: r.try_get("result")?,
         duplicate_attempts: r.try_get("duplicate_attempts")?,
+        uncertain_since: r.try_get("uncertain_since")?,
     }))
 }
 

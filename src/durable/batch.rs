@@ -266,11 +266,12 @@ pub async fn consume_batch(
         )
         SELECT c.id, true AS won, 'consumed'::token_state AS state, c.consumed_at,
                NULL::text AS fingerprint, NULL::text AS request_id, NULL::jsonb AS result,
-               NULL::text AS order_id, NULL::timestamptz AS expires_at, c.gen
+               NULL::text AS order_id, NULL::timestamptz AS expires_at, c.gen,
+               NULL::timestamptz AS uncertain_since
           FROM claim c
         UNION ALL
         SELECT t.id, false, t.state, t.consumed_at, t.fingerprint, t.request_id, t.result,
-               t.order_id, t.expires_at, t.gen
+               t.order_id, t.expires_at, t.gen, t.uncertain_since
           FROM r JOIN tokens t ON t.id = r.id
          WHERE NOT EXISTS (SELECT 1 FROM claim c WHERE c.id = r.id)
         "#,
@@ -337,7 +338,8 @@ async fn fresh_rows(
 ) -> Result<Vec<(i64, (ConsumeRow, i64))>, DurableError> {
     let fresh = super::fetch_all(pool, || {
         sqlx::query(
-            "SELECT id, state, consumed_at, fingerprint, request_id, result, order_id, expires_at, gen
+            "SELECT id, state, consumed_at, fingerprint, request_id, result, order_id, expires_at, gen,
+                    uncertain_since
                FROM tokens WHERE id = ANY($1)",
         )
         .bind(ids)

@@ -109,11 +109,12 @@ async fn consume_statement(
         )
         SELECT true AS won, 'consumed'::token_state AS state, c.consumed_at,
                NULL::text AS fingerprint, NULL::text AS request_id, NULL::jsonb AS result,
-               NULL::text AS order_id, c.consumed_at AS expires_at, c.gen, c.subject
+               NULL::text AS order_id, c.consumed_at AS expires_at, c.gen, c.subject,
+               NULL::timestamptz AS uncertain_since
           FROM claim c
         UNION ALL
         SELECT false, t.state, t.consumed_at, t.fingerprint, t.request_id, t.result, t.order_id,
-               t.expires_at, t.gen, t.subject
+               t.expires_at, t.gen, t.subject, t.uncertain_since
           FROM tokens t
          WHERE t.id = $1 AND NOT EXISTS (SELECT 1 FROM claim)
         "#,

@@ -50,6 +50,9 @@ pub struct Existing {
     /// The token's generation: bumped by every consume and release (odd
     /// while consumed); a result belongs to the consumed generation.
     pub gen: i64,
+    /// When a processing lease's sweep found it without result or release
+    /// (`on_lease_expiry = "uncertain"`); cleared by a release.
+    pub uncertain_since: Option<DateTime<Utc>>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -72,11 +75,14 @@ pub(crate) fn existing(row: &PgRow) -> Result<Existing, sqlx::Error> {
         order_id: row.try_get("order_id")?,
         expires_at: row.try_get("expires_at")?,
         gen: row.try_get("gen")?,
+        // Read where a duplicate's answer needs it; absent elsewhere.
+        uncertain_since: row.try_get("uncertain_since").unwrap_or(None),
     })
 }
 
 const SELECT_EXISTING: &str =
-    "SELECT state, consumed_at, fingerprint, request_id, result, order_id, expires_at, gen
+    "SELECT state, consumed_at, fingerprint, request_id, result, order_id, expires_at, gen,
+            uncertain_since
        FROM tokens WHERE id = $1";
 
 /// Reads a token's state.
@@ -96,7 +102,7 @@ pub async fn read(
     let row = super::fetch_one(pool, || {
         sqlx::query(
             "SELECT now() AS now, t.id IS NOT NULL AS found, t.state, t.consumed_at, t.fingerprint,
-                    t.request_id, t.result, t.order_id, t.expires_at, t.gen
+                    t.request_id, t.result, t.order_id, t.expires_at, t.gen, t.uncertain_since
                FROM (SELECT 1) AS one LEFT JOIN tokens t ON t.id = $1",
         )
         .bind(id)
@@ -191,11 +197,12 @@ const CONSUME_SQL: &str = r#"
         )
         SELECT true AS won, 'consumed'::token_state AS state, c.consumed_at,
                NULL::text AS fingerprint, NULL::text AS request_id, NULL::jsonb AS result,
-               NULL::text AS order_id, $8 AS expires_at, c.gen
+               NULL::text AS order_id, $8 AS expires_at, c.gen,
+               NULL::timestamptz AS uncertain_since
           FROM claim c
         UNION ALL
         SELECT false, t.state, t.consumed_at, t.fingerprint, t.request_id, t.result, t.order_id,
-               t.expires_at, t.gen
+               t.expires_at, t.gen, t.uncertain_since
           FROM tokens t
          WHERE t.id = $1 AND NOT EXISTS (SELECT 1 FROM claim)
         "#;
@@ -259,7 +266,7 @@ pub enum ResultDecided {
 
 /// Records the business result of a consumed token, with its audit row.
 pub async fn set_result(pool: &PgPool, id: i64, result: &Json) -> Result<ResultRow, DurableError> {
-    Ok(match set_result_versioned(pool, id, result).await? {
+    Ok(match set_result_versioned(pool, id, result, None).await? {
         ResultDecided::Recorded(_) => ResultRow::Recorded,
         ResultDecided::Existing(e) => ResultRow::Existing(e),
         ResultDecided::Unknown => ResultRow::Unknown,
@@ -269,11 +276,13 @@ pub async fn set_result(pool: &PgPool, id: i64, result: &Json) -> Result<ResultR
 /// Records the business result of a consumed token, with its audit row, and
 /// returns the consumed state it now belongs to (its generation, time,
 /// request id and fingerprint: what a write back to Redis needs). A result
-/// does not change the generation.
+/// does not change the generation. `detail` joins the audit row's detail
+/// (an operator's result: `{"by", "reason"}`).
 pub async fn set_result_versioned(
     pool: &PgPool,
     id: i64,
     result: &Json,
+    detail: Option<&Json>,
 ) -> Result<ResultDecided, DurableError> {
     let row = super::fetch_optional(pool, || {
         sqlx::query(
@@ -288,6 +297,7 @@ pub async fn set_result_versioned(
             SELECT u.result_at, CASE WHEN u.key IS NULL THEN 'token.result' ELSE 'key.result' END::audit_kind,
                    u.id, CASE WHEN u.key IS NULL THEN u.token END, nullif(u.subject, ''), u.biz_type,
                    u.client, u.gen, jsonb_build_object('result', $2) || CASE WHEN u.key IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('key', u.key) END
+                   || COALESCE($3::jsonb, '{}'::jsonb)
               FROM upd u
             ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
         )
@@ -296,6 +306,7 @@ pub async fn set_result_versioned(
     )
     .bind(id)
     .bind(result)
+    .bind(detail)
     })
     .await?;
     if let Some(r) = row {

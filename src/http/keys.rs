@@ -13,7 +13,7 @@ use super::tokens::{rfc3339, OutcomeResponse, REPLAYED};
 use super::AppState;
 use crate::domain::key::ClientKey;
 use crate::domain::{BizType, Fingerprint, RequestId, Subject};
-use crate::ledger::{ConsumeAnswer, DuplicateStatus, KeyInput, ResultAnswer};
+use crate::ledger::{ConsumeAnswer, KeyInput, ResultAnswer};
 
 fn parse<T, E: std::fmt::Display>(r: Result<T, E>) -> Result<T, ApiError> {
     r.map_err(|e| ApiError::invalid(e.to_string()))
@@ -97,7 +97,9 @@ pub enum KeyConsumeResponse {
         /// `duplicate`
         #[schema(example = "duplicate")]
         outcome: &'static str,
-        /// `processing` (no result yet) or `completed`.
+        /// `processing` (no result yet), `completed` or `uncertain` (no
+        /// result past the biz type's processing lease).
+        #[schema(value_type = crate::ledger::DuplicateStatus)]
         status: &'static str,
         #[schema(value_type = Option<String>, format = DateTime)]
         consumed_at: Option<String>,
@@ -130,10 +132,7 @@ fn consume_response(key: &str, answer: ConsumeAnswer) -> HttpResponse {
         } => HttpResponse::Ok().insert_header((REPLAYED, "true")).json(
             KeyConsumeResponse::Duplicate {
                 outcome: "duplicate",
-                status: match status {
-                    DuplicateStatus::Processing => "processing",
-                    DuplicateStatus::Completed => "completed",
-                },
+                status: status.as_str(),
                 consumed_at: consumed_at.map(rfc3339),
                 result,
             },

@@ -5,7 +5,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{ObjectBuilder, RefOr, ResponseBuilder, Type};
 use utoipa::{Modify, OpenApi};
 
-use super::{admin, audit_seal, keys, ops, orders, tokens, ErrorBody};
+use super::{admin, audit_seal, keys, ops, orders, tokens, uncertain, ErrorBody};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -21,6 +21,7 @@ use super::{admin, audit_seal, keys, ops, orders, tokens, ErrorBody};
         orders::create, orders::get, orders::pay, orders::refund, orders::close,
         ops::healthz, ops::readyz, ops::metrics, ops::openapi,
         admin::token, admin::key, admin::release, admin::release_key, admin::audit, admin::stats, admin::run_reconcile, admin::reconcile_runs,
+        uncertain::list, uncertain::token_result, uncertain::key_result,
     ),
     components(schemas(
         crate::audit_seal::CheckpointView,
@@ -38,6 +39,8 @@ use super::{admin, audit_seal, keys, ops, orders, tokens, ErrorBody};
         crate::admin::Stats, crate::admin::BizStats, admin::ReconcileRequest,
         crate::reconcile::Report, crate::reconcile::Classes, crate::reconcile::Scanned,
         crate::reconcile::InconsistentOrder, crate::admin::runs::RunsPage,
+        uncertain::UncertainItem, uncertain::UncertainPage, uncertain::AdminResultRequest,
+        uncertain::AdminKeyResultRequest,
     )),
     modifiers(&BearerAuth, &Common),
     tags(
@@ -415,12 +418,12 @@ closed_set_schema!(
 closed_set_schema!(
     crate::ledger::DuplicateStatus,
     "DuplicateStatus",
-    "What a duplicate learns of the winner: processing (no result yet) or completed (its result is in `result`)"
+    "What a duplicate learns of the winner: processing (no result yet), completed (its result is in `result`) or uncertain (no result or release within the biz type's processing_lease: the step's outcome is unknown until the consumer or an operator records it or releases the token)"
 );
 closed_set_schema!(
     crate::domain::TokenStatus,
     "TokenState",
-    "A token's state: issued (unconsumed and live, also after a release), consumed, or expired (never consumed and past its expiry, or purged after the retention)"
+    "A token's state: issued (unconsumed and live, also after a release), consumed, uncertain (consumed, with neither result nor release within the biz type's processing_lease), or expired (never consumed and past its expiry, or purged after the retention)"
 );
 
 /// The spec as committed in `openapi.json` at the repository's root.
@@ -696,7 +699,7 @@ mod tests {
                 "{method} {path}: operationId {id} is also a schema name"
             );
         }
-        assert_eq!(seen.len(), 28, "{seen:?}");
+        assert_eq!(seen.len(), 31, "{seen:?}");
         for id in [
             "consumetoken",
             "consumekey",

@@ -219,7 +219,8 @@ pub enum ConsumeResponse {
         /// `duplicate`
         #[schema(value_type = crate::ledger::AnswerOutcome, example = "duplicate")]
         outcome: &'static str,
-        /// `processing` (no result yet) or `completed`.
+        /// `processing` (no result yet), `completed` or `uncertain` (no
+        /// result past the biz type's processing lease).
         #[schema(value_type = crate::ledger::DuplicateStatus)]
         status: &'static str,
         #[schema(value_type = Option<String>, format = DateTime)]

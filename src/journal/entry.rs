@@ -44,7 +44,7 @@ fn fields_of(rec: &TokenRecord, packed: String) -> Vec<(&'static str, String)> {
     fields
 }
 
-/// Fields of an operator's release (see [`admin_release_fields_for`]): who
+/// Fields of an operator's release or result (see [`admin_release_fields_for`]): who
 /// released it and why, for its audit row. Fields of their own, so that a
 /// drainer that does not know them still applies the release.
 pub const BY: &str = "by";
@@ -130,7 +130,7 @@ pub fn admin_release_fields_for(
     fields
 }
 
-/// The audit detail an entry's own fields add (an operator's release).
+/// The audit detail an entry's own fields add (an operator's release or result, a lease's release).
 fn detail_of(e: &JournalEntry) -> Option<Json> {
     let by = e.get(BY)?;
     let mut detail = serde_json::Map::new();
@@ -329,7 +329,8 @@ fn parse_packed(e: &JournalEntry, packed: &str) -> Entry {
                                 result: Some((result, at)),
                             },
                         },
-                        detail: None,
+                        // An operator's result: who and why.
+                        detail: detail_of(e),
                     })
                 }
                 Ok(None) => Entry::Result { id, result },

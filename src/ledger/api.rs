@@ -71,21 +71,29 @@ pub struct Issued {
 }
 
 /// What a duplicate learns of the attempt that won: still without a result
-/// (`processing`: running, or its consumer died) or with one (`completed`).
+/// (`processing`: running, or its consumer died), with one (`completed`), or
+/// without one past its biz type's processing lease (`uncertain`: the step's
+/// outcome is unknown until someone records it or releases the token).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DuplicateStatus {
     Processing,
     Completed,
+    Uncertain,
 }
 
 impl DuplicateStatus {
-    pub const ALL: [DuplicateStatus; 2] = [DuplicateStatus::Processing, DuplicateStatus::Completed];
+    pub const ALL: [DuplicateStatus; 3] = [
+        DuplicateStatus::Processing,
+        DuplicateStatus::Completed,
+        DuplicateStatus::Uncertain,
+    ];
 
     /// The label in JSON (`status`).
     pub fn as_str(self) -> &'static str {
         match self {
             DuplicateStatus::Processing => "processing",
             DuplicateStatus::Completed => "completed",
+            DuplicateStatus::Uncertain => "uncertain",
         }
     }
 }

@@ -27,6 +27,10 @@ pub(super) struct Prior {
     fingerprint: Option<String>,
     request_id: Option<String>,
     result: Option<Json>,
+    /// Past its processing lease without result or release (policy
+    /// `uncertain`): Postgres's sweep marked it, or, for a fast type's
+    /// marker, Redis's clock says its lease ran out.
+    uncertain: bool,
 }
 
 impl Prior {
@@ -39,7 +43,13 @@ impl Prior {
                 .result
                 .as_deref()
                 .and_then(|r| serde_json::from_str(r).ok()),
+            uncertain: false,
         }
+    }
+    /// The same prior, `uncertain` when `ran_out`.
+    pub(super) fn lease_ran_out(mut self, ran_out: bool) -> Prior {
+        self.uncertain |= ran_out;
+        self
     }
     pub(super) fn from_row(e: &Existing) -> Prior {
         Prior {
@@ -47,6 +57,7 @@ impl Prior {
             fingerprint: e.fingerprint.clone(),
             request_id: e.request_id.clone(),
             result: e.result.clone(),
+            uncertain: e.uncertain_since.is_some(),
         }
     }
 }
@@ -301,6 +312,7 @@ impl Ledger {
             }
         }
         drop(gate);
+        let redis_now_ms = reply.as_ref().map(|(_, v)| v.now_ms).unwrap_or(0);
         match reply.map(|(outcome, _)| outcome) {
             Ok(ScriptOutcome::Won { at_ms }) => {
                 return Ok(ConsumeAnswer::Consumed {
@@ -309,9 +321,9 @@ impl Ledger {
                 })
             }
             Ok(ScriptOutcome::Consumed(m)) => {
-                if let Some(answer) =
-                    classify(&Prior::from_marker(&m), input, false, self.clock.now())?
-                {
+                let ran_out = self.lease_ran_out(&record.biz_type, m.at_ms, redis_now_ms);
+                let prior = Prior::from_marker(&m).lease_ran_out(ran_out);
+                if let Some(answer) = classify(&prior, input, false, self.clock.now())? {
                     return Ok(answer);
                 }
             }
@@ -517,8 +529,12 @@ pub(super) fn classify<I: Attempted>(
             replayed: true,
         }));
     }
-    let status = if prior.result.is_some() && !in_flight {
+    let status = if in_flight {
+        DuplicateStatus::Processing
+    } else if prior.result.is_some() {
         DuplicateStatus::Completed
+    } else if prior.uncertain {
+        DuplicateStatus::Uncertain
     } else {
         DuplicateStatus::Processing
     };

@@ -270,10 +270,11 @@ impl Ledger {
                         replayed: false,
                     })
                 }
-                Ok((ScriptOutcome::Consumed(m), _)) => {
-                    if let Some(answer) =
-                        classify(&Prior::from_marker(&m), input, false, self.clock.now())?
-                    {
+                Ok((ScriptOutcome::Consumed(m), version)) => {
+                    let ran_out =
+                        self.lease_ran_out(&held.record.biz_type, m.at_ms, version.now_ms);
+                    let prior = Prior::from_marker(&m).lease_ran_out(ran_out);
+                    if let Some(answer) = classify(&prior, input, false, self.clock.now())? {
                         return Ok(answer);
                     }
                 }
@@ -378,6 +379,23 @@ impl Ledger {
         });
         let detail = serde_json::json!({"by": caller.name, "reason": reason.as_str()});
         self.release_held(&held, fields, Some(&detail)).await
+    }
+
+    /// An operator records the outcome of client `owner`'s consumed key
+    /// (see [`Ledger::record_result_by_admin`]).
+    pub async fn record_key_result_by_admin(
+        &self,
+        caller: &Client,
+        owner: &str,
+        biz: &BizType,
+        key: &ClientKey,
+        result: &Json,
+        reason: &Reason,
+    ) -> Result<ResultAnswer, LedgerError> {
+        let settings = self.biz_settings_for(caller, biz)?;
+        let held = self.held_key_of(owner, settings.durability, biz, key, "");
+        self.record_result_as(&held, result, Some((&caller.name, reason.as_str())))
+            .await
     }
 
     /// A key's state (`None`: no consume of it is known, or it was purged).

@@ -49,11 +49,13 @@ mod core;
 mod degraded;
 mod issue;
 mod keys;
+mod lease;
 mod orders;
 mod read;
 mod result;
 mod settle;
 mod wait;
+pub use lease::{run_sweeps, uncertain_metric, SweepReport};
 pub use wait::MAX_WAIT;
 
 pub use crate::durable::keys::KeyState;

@@ -14,9 +14,10 @@ use chrono::{DateTime, Utc};
 use serde_json::Value as Json;
 
 use super::core::ms_to_time;
+use super::lease::ran_out;
 use super::{Ledger, LedgerError, TokenReading};
 use crate::auth::Client;
-use crate::config::Durability;
+use crate::config::{Durability, ProcessingLease};
 use crate::domain::{Subject, TokenStatus};
 use crate::durable::timed;
 use crate::durable::tokens::{self, Existing, TokenState};
@@ -49,7 +50,7 @@ impl Ledger {
             }
         }
         if settings.durability == Durability::Fast {
-            if let Some(reading) = self.read_fast_in_redis(&token).await {
+            if let Some(reading) = self.read_fast_in_redis(&token, settings.lease).await {
                 return Ok(reading);
             }
         }
@@ -58,7 +59,11 @@ impl Ledger {
 
     /// A fast token as Redis holds it; `None`: Redis does not know it, or
     /// cannot be asked (Postgres answers then).
-    async fn read_fast_in_redis(&self, token: &VerifiedToken) -> Option<TokenReading> {
+    async fn read_fast_in_redis(
+        &self,
+        token: &VerifiedToken,
+        lease: Option<ProcessingLease>,
+    ) -> Option<TokenReading> {
         // `peek` only reads: it writes nothing, whatever it finds.
         let attempt = Attempt {
             owner: "",
@@ -80,7 +85,11 @@ impl Ledger {
         match outcome {
             ScriptOutcome::Consumed(m) => Some(TokenReading {
                 biz_type: token.claims.biz_type.clone(),
-                state: TokenStatus::Consumed,
+                state: if m.result.is_none() && ran_out(lease, m.at_ms, version.now_ms) {
+                    TokenStatus::Uncertain
+                } else {
+                    TokenStatus::Consumed
+                },
                 expires_at,
                 consumed_at: ms_to_time(m.at_ms),
                 result: m
@@ -145,7 +154,11 @@ fn reading_of_row(
     match row {
         Some(e) if e.state == TokenState::Consumed => TokenReading {
             biz_type,
-            state: TokenStatus::Consumed,
+            state: if e.result.is_none() && e.uncertain_since.is_some() {
+                TokenStatus::Uncertain
+            } else {
+                TokenStatus::Consumed
+            },
             expires_at: e.expires_at,
             consumed_at: e.consumed_at,
             result: e.result.clone(),

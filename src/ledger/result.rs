@@ -74,7 +74,18 @@ impl Ledger {
         held: &Held,
         result: &Json,
     ) -> Result<ResultAnswer, LedgerError> {
-        let answer = self.record_result_in_tiers(held, result).await;
+        self.record_result_as(held, result, None).await
+    }
+
+    /// [`Ledger::record_result_of`], by an operator when `operator` holds
+    /// `(by, reason)`: they go into the result's audit row.
+    pub(super) async fn record_result_as(
+        &self,
+        held: &Held,
+        result: &Json,
+        operator: Option<(&str, &str)>,
+    ) -> Result<ResultAnswer, LedgerError> {
+        let answer = self.record_result_in_tiers(held, result, operator).await;
         if matches!(answer, Ok(ResultAnswer::Recorded)) {
             // Waiting consumes of it answer `completed` now.
             self.changes.changed(held.record.id);
@@ -86,6 +97,7 @@ impl Ledger {
         &self,
         held: &Held,
         result: &Json,
+        operator: Option<(&str, &str)>,
     ) -> Result<ResultAnswer, LedgerError> {
         let id = held.record.id;
         let encoded = result.to_string();
@@ -101,7 +113,11 @@ impl Ledger {
             // request_id to Postgres with the result's journal entry.
             fenced = Some(fleet.epoch);
         } else if held.durability == Durability::Fast {
-            let fields = journal::result_fields_for(&held.record, &encoded);
+            let mut fields = journal::result_fields_for(&held.record, &encoded);
+            if let Some((by, reason)) = operator {
+                fields.push((journal::BY, by.to_owned()));
+                fields.push((journal::REASON, reason.to_owned()));
+            }
             match self
                 .fast
                 .fast_write(&held.handle, "result", encoded.clone(), &fields)
@@ -131,11 +147,16 @@ impl Ledger {
                 },
             }
         }
+        let detail = operator.map(|(by, reason)| serde_json::json!({"by": by, "reason": reason}));
         let row = timed(
             &self.metrics,
             "result",
-            self.pools
-                .bounded(tokens::set_result_versioned(&self.pools.hot, id, result)),
+            self.pools.bounded(tokens::set_result_versioned(
+                &self.pools.hot,
+                id,
+                result,
+                detail.as_ref(),
+            )),
         )
         .await
         .map_err(LedgerError::postgres)?;
@@ -251,6 +272,33 @@ impl Ledger {
         };
         let detail = serde_json::json!({"by": caller.name, "reason": reason.as_str()});
         self.release_held(&held, fields, Some(&detail)).await
+    }
+
+    /// An operator records the outcome of a consumed token that has none
+    /// (typically an uncertain one, after checking the payment provider):
+    /// the rule of a client's result, for any client's token, audited as
+    /// `token.result` with `{"by": <the acting client's name>, "reason"}`.
+    #[tracing::instrument(level = "debug", skip_all, fields(client = %caller.name))]
+    pub async fn record_result_by_admin(
+        &self,
+        caller: &Client,
+        text: &str,
+        result: &Json,
+        reason: &Reason,
+    ) -> Result<ResultAnswer, LedgerError> {
+        let (token, settings) = self.authorize_unbound_as(caller, text, Tally::Quiet)?;
+        let record = match settings.durability {
+            Durability::Fast => self.recorded_owner(&token).await?,
+            Durability::Durable => self.unowned_record(&token, settings.durability),
+        };
+        let held = Held {
+            handle: token.text.clone(),
+            record,
+            durability: settings.durability,
+            issued_until_ms: token.claims.expires_at_ms(),
+        };
+        self.record_result_as(&held, result, Some((&caller.name, reason.as_str())))
+            .await
     }
 
     /// A fast token's record for its release's journal entry, which needs

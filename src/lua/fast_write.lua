@@ -2,8 +2,10 @@
 -- token's key (and the journal stream on a standalone Redis).
 --
 -- KEYS[1]  the token's hash, KEYS[2] the journal stream
--- ARGV[1]  'result' | 'release'
--- ARGV[2]  result JSON (result) | remaining ttl ms (release)
+-- ARGV[1]  'result' | 'release' | 'lease_release'
+-- ARGV[2]  result JSON (result) | remaining ttl ms (release) |
+--          'ttl_ms:gen:lease_ms' (lease_release: a release only of generation
+--          `gen`, and only once its consume is lease_ms old by Redis's clock)
 -- ARGV[3]  '1' to append to the journal stream
 -- ARGV[4..] journal entry fields
 --
@@ -14,7 +16,7 @@
 --
 -- Returns {kind, detail, g, now, cat, rid, fp}:
 --   result:  recorded | same | conflict (detail: stored result) | not_consumed | miss
---   release: released | not_releasable | miss
+--   release, lease_release: released | not_releasable | miss
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local key = KEYS[1]
@@ -43,10 +45,20 @@ if ARGV[1] == 'result' then
 end
 -- release
 if s ~= 'c' or h[2] or h[3] then return {'not_releasable', ''} end
+local ttl_arg = ARGV[2]
+if ARGV[1] == 'lease_release' then
+  local ttl_s, want, lease = string.match(ARGV[2], '^(%-?%d+):(%d+):(%d+)$')
+  if not ttl_s then return redis.error_reply('lease_release: bad argument') end
+  if g ~= tonumber(want) or tonumber(at or '') == nil
+     or now - tonumber(at) < tonumber(lease) then
+    return {'not_releasable', ''}
+  end
+  ttl_arg = ttl_s
+end
 -- The next issued (even) generation.
 g = g + 1
 if g % 2 == 1 then g = g + 1 end
-local ttl = tonumber(ARGV[2])
+local ttl = tonumber(ttl_arg)
 redis.call('DEL', key)
 if ttl > 0 then
   redis.call('HSET', key, 's', 'i', 'g', g)

@@ -19,6 +19,7 @@ mod helpers;
 mod idle_connections;
 mod issue;
 mod keys;
+mod leases;
 mod link;
 mod metrics;
 mod order_batching;

@@ -42,6 +42,7 @@ fn consumed_row(result: Option<serde_json::Value>) -> Existing {
         order_id: None,
         expires_at: at(WON_AT + 60_000),
         gen: 1,
+        uncertain_since: None,
     }
 }
 
@@ -267,5 +268,65 @@ fn an_attempt_in_flight_never_shows_a_result() {
     assert_eq!(
         classify(&prior, &input(None, None), true, now()).unwrap(),
         Some(duplicate(DuplicateStatus::Processing, None))
+    );
+}
+
+/// Past a processing lease (`uncertain_since` set by the sweep): a plain
+/// duplicate hears `uncertain`; a result still answers `completed`, and the
+/// winner's retry still replays `consumed`.
+#[test]
+fn an_uncertain_row_answers_uncertain_until_it_has_a_result() {
+    let mut row = consumed_row(None);
+    row.uncertain_since = Some(at(WON_AT + 120_000));
+    let answer = answer_from_row(
+        &ConsumeRow::Existing(row.clone()),
+        &input(Some("r2"), None),
+        now(),
+    );
+    assert!(
+        matches!(
+            answer,
+            Ok(ConsumeAnswer::Duplicate {
+                status: DuplicateStatus::Uncertain,
+                result: None,
+                ..
+            })
+        ),
+        "{answer:?}"
+    );
+    let replay = answer_from_row(
+        &ConsumeRow::Existing(row.clone()),
+        &input(Some("r1"), None),
+        now(),
+    );
+    assert!(
+        matches!(replay, Ok(ConsumeAnswer::Consumed { replayed: true, .. })),
+        "{replay:?}"
+    );
+    let mut done = row;
+    done.result = Some(serde_json::json!({"ok": 1}));
+    let answer = answer_from_row(&ConsumeRow::Existing(done), &input(Some("r2"), None), now());
+    assert!(
+        matches!(
+            answer,
+            Ok(ConsumeAnswer::Duplicate {
+                status: DuplicateStatus::Completed,
+                ..
+            })
+        ),
+        "{answer:?}"
+    );
+    // A fast marker past its lease by Redis's clock.
+    let prior = Prior::from_marker(&consumed_marker(None)).lease_ran_out(true);
+    let answer = classify(&prior, &input(None, None), false, now());
+    assert!(
+        matches!(
+            answer,
+            Ok(Some(ConsumeAnswer::Duplicate {
+                status: DuplicateStatus::Uncertain,
+                ..
+            }))
+        ),
+        "{answer:?}"
     );
 }
