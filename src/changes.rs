@@ -172,3 +172,34 @@ impl Changes {
         }
     }
 }
+
+/// `ledger_consumes_waiting`: how many consumes wait for a winner on this
+/// instance (`wait_ms`), read from the registry when scraped.
+pub struct WaitingGauge {
+    changes: Arc<Changes>,
+    gauge: prometheus::IntGauge,
+}
+
+impl WaitingGauge {
+    pub fn new(changes: Arc<Changes>) -> WaitingGauge {
+        // A static, valid definition.
+        let gauge = prometheus::IntGauge::new(
+            "ledger_consumes_waiting",
+            "Consumes waiting for the winner's result or release on this instance (wait_ms); each holds memory, no connection.",
+        )
+        .expect("valid metric");
+        WaitingGauge { changes, gauge }
+    }
+}
+
+impl prometheus::core::Collector for WaitingGauge {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        self.gauge.desc()
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        self.gauge
+            .set(i64::try_from(self.changes.waiting()).unwrap_or(i64::MAX));
+        self.gauge.collect()
+    }
+}

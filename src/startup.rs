@@ -151,6 +151,10 @@ impl Application {
             lease.clone(),
         );
         let changes = Arc::new(Changes::new(pools.hot.clone()));
+        metrics
+            .registry
+            .register(Box::new(crate::changes::WaitingGauge::new(changes.clone())))
+            .context("registering the waiting consumes metric")?;
         let ledger = Arc::new(Ledger::new(
             settings.clone(),
             clock.clone(),

@@ -307,8 +307,8 @@ def report(results_path, machine_path, out_json, out_md):
                 fmt(u.get("total"), 1),
                 f"{r['cpu_idle_pct']:.0f} %" if r.get("cpu_idle_pct") is not None else "-"))
         lines.append("")
-    for k in ("memory", "bloom", "cross_checks"):
-        if k in machine:
+    for k in ("memory", "bloom", "cross_checks", "waiters"):
+        if machine.get(k):
             lines.append(f"- {k}: {machine[k]}")
     m = machine
     lines.append(f"- machine: {m.get('nproc')} CPUs ({m.get('cpu')}), {m.get('mem')}, "

@@ -93,6 +93,15 @@ impl Consumer {
                 println!("{}: another worker is on it: try again later", msg.id);
                 Ack::RetryLater
             }
+            Ok(Guarded::Uncertain { .. }) => {
+                // The other worker ran past its processing lease: nobody knows
+                // whether the message was applied. A human decides.
+                println!(
+                    "{}: outcome unknown (lease ran out): to the dead-letter queue",
+                    msg.id
+                );
+                Ack::DeadLetter
+            }
             Err(GuardError::BeforeSideEffects { error, .. }) => {
                 println!("{}: {error}: released, try again later", msg.id);
                 Ack::RetryLater

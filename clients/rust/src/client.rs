@@ -136,6 +136,11 @@ impl Client {
     }
 
     /// The URL of `segments` under the base (each segment percent-encoded).
+    /// The retry policy every call follows.
+    pub(crate) fn retry_policy(&self) -> &RetryPolicy {
+        &self.inner.retry
+    }
+
     pub(crate) fn url(&self, segments: &[&str]) -> Url {
         let mut url = self.inner.base.clone();
         // The builder refused URLs that cannot be a base, so this always has

@@ -89,6 +89,10 @@ pub enum Guarded<R> {
     /// running, or it died and an operator must release it). The step did
     /// not run; ask again later.
     InProgress { consumed_at: Option<Timestamp> },
+    /// Another attempt holds it past its biz type's processing lease with
+    /// neither result nor release: its outcome is unknown until its consumer
+    /// or an operator resolves it. The step did not run; do not start over.
+    Uncertain { consumed_at: Option<Timestamp> },
 }
 
 /// What went wrong in a guarded run.
@@ -196,6 +200,20 @@ impl Client {
 }
 
 impl Guard {
+    /// Waits up to `wait` (at most 10 s) for another attempt that holds the
+    /// token or key to finish, instead of answering `InProgress` at once:
+    /// see [`crate::ConsumeRequest::with_wait`].
+    pub fn wait(mut self, wait: std::time::Duration) -> Guard {
+        self.target = match self.target {
+            Target::Token { token, request } => Target::Token {
+                token,
+                request: request.with_wait(wait),
+            },
+            Target::Key(request) => Target::Key(request.with_wait(wait)),
+        };
+        self
+    }
+
     /// Consumes, and when this attempt won runs `step` once:
     ///
     /// | step returns | the guard | you get |
@@ -220,6 +238,7 @@ impl Guard {
         .map_err(GuardError::Consume)?;
         match outcome {
             ConsumeOutcome::InProgress { consumed_at } => Ok(Guarded::InProgress { consumed_at }),
+            ConsumeOutcome::Uncertain { consumed_at } => Ok(Guarded::Uncertain { consumed_at }),
             ConsumeOutcome::Completed { result, .. } => {
                 match serde_json::from_value(result.clone()) {
                     Ok(output) => Ok(Guarded::Completed(output)),

@@ -2,13 +2,15 @@
 //! already hold a unique key per operation (an `Idempotency-Key` header, a
 //! queue's message id). A key belongs to (this client, biz type).
 
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::client::Client;
 use crate::error::Error;
 use crate::outcome::{expect_outcome, ConsumeOutcome, Recorded, Released, State, Timestamp};
-use crate::tokens::new_request_id;
+use crate::tokens::{new_request_id, wait_ms, waiting_policy};
 
 /// The body of `POST /v1/keys/consume`: one logical attempt on one key.
 ///
@@ -23,6 +25,8 @@ pub struct KeyConsumeRequest {
     #[serde(skip_serializing_if = "Option::is_none")]
     fingerprint: Option<String>,
     request_id: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    wait_ms: Option<u64>,
 }
 
 impl KeyConsumeRequest {
@@ -34,7 +38,14 @@ impl KeyConsumeRequest {
             subject: None,
             fingerprint: None,
             request_id: new_request_id(),
+            wait_ms: None,
         }
+    }
+
+    /// Waits for the winner, as [`crate::ConsumeRequest::with_wait`].
+    pub fn with_wait(mut self, wait: Duration) -> KeyConsumeRequest {
+        self.wait_ms = Some(wait_ms(wait));
+        self
     }
 
     /// Recorded for audit; every call for this key must then name the same
@@ -99,9 +110,14 @@ impl Client {
     /// Consumes a key (`POST /v1/keys/consume`); the first consume creates it.
     /// Match the outcome: only `Won` lets you run the business step.
     pub async fn consume_key(&self, request: &KeyConsumeRequest) -> Result<ConsumeOutcome, Error> {
-        let answer = self
-            .post(self.url(&["v1", "keys", "consume"]), request)
-            .await?;
+        let url = self.url(&["v1", "keys", "consume"]);
+        let answer = match waiting_policy(self.retry_policy(), request.wait_ms) {
+            Some(policy) => {
+                self.call_with(&policy, reqwest::Method::POST, url, Some(request))
+                    .await?
+            }
+            None => self.post(url, request).await?,
+        };
         ConsumeOutcome::from_answer(&answer)
     }
 

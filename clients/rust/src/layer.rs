@@ -37,7 +37,8 @@
 //! |---|---|---|
 //! | first request with a key | the handler runs; its response is stored (see below) and returned | |
 //! | a retry with the same key and payload, after the first finished | the stored response, with `Idempotent-Replayed: true`; the handler does not run | |
-//! | a retry while the first is still running | 409, `Retry-After`, the handler does not run | `idempotency_key_in_use` |
+//! | a retry while the first is still running | it waits for the first (up to [`IdempotencyLayer::in_progress_wait`], default 3 s) and gets its stored response, replayed; if the first is still running then, 409 with `Retry-After`; the handler does not run | `idempotency_key_in_use` |
+//! | a retry after the first ran past its biz type's processing lease with no stored response | 409; the handler does not run; an operator resolves it | `idempotency_key_uncertain` |
 //! | the same key with another payload (method, path with query, or body) | 422 | `idempotency_key_reused` |
 //! | no key, where the layer requires one (the default) | 400 | `idempotency_key_missing` |
 //! | a key that is not 1 to 255 printable ASCII characters (or a repeated header) | 400 | `idempotency_key_invalid` |
@@ -218,6 +219,7 @@ struct Config {
     required: bool,
     stored_headers: Vec<HeaderName>,
     in_progress_retry_after: Duration,
+    in_progress_wait: Duration,
     max_request_body: usize,
     scoping: Scoping,
     store_status: StoreStatus,
@@ -260,6 +262,7 @@ impl IdempotencyLayer {
                 .map(HeaderName::from_static)
                 .collect(),
                 in_progress_retry_after: Duration::from_secs(1),
+                in_progress_wait: Duration::from_secs(3),
                 max_request_body: 1024 * 1024,
                 scoping: Scoping::Unset,
                 store_status: Arc::new(stored_by_default),
@@ -287,6 +290,16 @@ impl IdempotencyLayer {
     /// The `Retry-After` of a 409 (default 1 s; whole seconds, at least 1).
     pub fn in_progress_retry_after(self, after: Duration) -> IdempotencyLayer {
         self.with(|c| c.in_progress_retry_after = after)
+    }
+
+    /// How long a retry that arrives while the first request with its key
+    /// runs waits for it (default 3 s, at most 10 s; zero: not at all). The
+    /// wait is held on the ledger (`wait_ms`): it ends with the first
+    /// request's stored response (replayed), its release (this retry then
+    /// runs the handler), or, when the time is up, 409
+    /// `idempotency_key_in_use`.
+    pub fn in_progress_wait(self, wait: Duration) -> IdempotencyLayer {
+        self.with(|c| c.in_progress_wait = wait.min(crate::tokens::MAX_WAIT))
     }
 
     /// The largest request body read (default 1 MiB); larger is 413.
@@ -513,8 +526,11 @@ where
         }
     };
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    let consume = KeyConsumeRequest::new(&config.biz_type, &key)
+    let mut consume = KeyConsumeRequest::new(&config.biz_type, &key)
         .with_fingerprint(request_fingerprint(parts.method.as_str(), path, &body));
+    if !config.in_progress_wait.is_zero() {
+        consume = consume.with_wait(config.in_progress_wait);
+    }
     match config.client.consume_key(&consume).await {
         Ok(ConsumeOutcome::Won { .. }) => {
             run_once(config, inner, Request::from_parts(parts, full(body)), key).await
@@ -527,6 +543,12 @@ where
                 "The first request with this key has not finished yet; retry later.",
             ),
             config.in_progress_retry_after,
+        )),
+        Ok(ConsumeOutcome::Uncertain { .. }) => Ok(problem(
+            StatusCode::CONFLICT,
+            codes::IDEMPOTENCY_KEY_UNCERTAIN,
+            "The outcome of the first request with this Idempotency-Key is unknown",
+            "The first request ran past its processing lease without a stored response; it is being checked. Do not retry with a new key until you know.",
         )),
         Ok(ConsumeOutcome::Completed { result, .. }) => Ok(replay(result)),
         Err(Error::FingerprintMismatch(_)) => Ok(problem(

@@ -31,6 +31,7 @@
 //! match outcome {
 //!     Guarded::Ran(id) | Guarded::Completed(id) => println!("paid: {id}"),
 //!     Guarded::InProgress { .. } => println!("still processing, ask again"),
+//!     Guarded::Uncertain { .. } => println!("outcome unknown: being checked"),
 //! }
 //! # Ok(()) }
 //! ```
@@ -42,6 +43,7 @@
 //! | [`ConsumeOutcome::Won`] `{ replayed: false }` | this attempt consumed it | run the step once; then [`Client::record_result`], or [`Client::release`] if it failed before any side effect |
 //! | [`ConsumeOutcome::Won`] `{ replayed: true }` | an earlier try of this attempt (same `request_id`) won; its answer was lost | the same as `Won`: you are the winner. (If you persist request ids across restarts, your earlier process may have started the step: check your own records.) |
 //! | [`ConsumeOutcome::InProgress`] | another attempt consumed it and recorded nothing yet: running, or died | do not run the step; answer "processing" (HTTP 409 or 202); ask again later. Stuck for good: an operator's [`Client::admin_release_token`] |
+//! | [`ConsumeOutcome::Uncertain`] | another attempt consumed it, and its biz type's processing lease ran out with neither result nor release: its outcome is unknown | do not run the step and do not start over with a new token; answer "being checked"; an operator resolves it (records the result or releases it) |
 //! | [`ConsumeOutcome::Completed`] `{ result }` | already done by another attempt | do not run the step; answer with `result` |
 //! | [`Error::TokenExpired`] | never consumed and past its expiry | [`Client::issue`] a new token and start over; the user's action did not happen |
 //! | [`Error::FingerprintMismatch`] | consumed earlier for a different request | do not run the step; the token (key) belongs to another request: a new token |
@@ -53,6 +55,12 @@
 //! | [`Error::Unauthorized`], [`Error::Forbidden`], [`Error::UnknownBizType`], [`Error::InvalidRequest`] | configuration or a bug | fix the API key, the grants, the biz type or the values; never retry |
 //!
 //! A [`Guard`] does the left column for you: see [`Guard::run`].
+//!
+//! Instead of polling an `InProgress` answer, a consume can wait for the
+//! winner: [`ConsumeRequest::with_wait`] (and [`KeyConsumeRequest::with_wait`],
+//! [`Guard::wait`]) holds the call on the ledger until the winner records its
+//! result (`Completed`), releases it (this attempt may win), its lease runs out
+//! (`Uncertain`), or the wait ends (`InProgress`).
 //!
 //! # Retries
 //! Every request value (a [`ConsumeRequest`], [`KeyConsumeRequest`], [`Pay`],
@@ -100,4 +108,4 @@ pub use orders::{
 };
 pub use outcome::{ConsumeOutcome, Recorded, Released, State, Timestamp};
 pub use retry::RetryPolicy;
-pub use tokens::{ConsumeRequest, IssueRequest, Issued, TokenState};
+pub use tokens::{ConsumeRequest, IssueRequest, Issued, TokenState, MAX_WAIT};

@@ -29,6 +29,12 @@ pub enum ConsumeOutcome {
     /// running, or it died (then an operator releases it). Do not run the
     /// step; answer "in progress" and ask again later.
     InProgress { consumed_at: Option<Timestamp> },
+    /// Another attempt consumed it, and the biz type's processing lease ran
+    /// out with neither result nor release: whether its step had its effect
+    /// is unknown until its consumer or an operator records the result or
+    /// releases it. Do not run the step, and do not retry with a new token
+    /// or key: answer "being checked" and ask again later.
+    Uncertain { consumed_at: Option<Timestamp> },
     /// Another attempt consumed it and recorded this result: do not run the
     /// step; answer with this result as if you had run it.
     Completed {
@@ -63,6 +69,7 @@ impl ConsumeOutcome {
         enum DuplicateStatus {
             Processing,
             Completed,
+            Uncertain,
         }
         Ok(match answer.json::<Wire>()? {
             Wire::Consumed { consumed_at } => ConsumeOutcome::Won {
@@ -74,6 +81,11 @@ impl ConsumeOutcome {
                 consumed_at,
                 ..
             } => ConsumeOutcome::InProgress { consumed_at },
+            Wire::Duplicate {
+                status: DuplicateStatus::Uncertain,
+                consumed_at,
+                ..
+            } => ConsumeOutcome::Uncertain { consumed_at },
             Wire::Duplicate {
                 status: DuplicateStatus::Completed,
                 consumed_at,
@@ -106,6 +118,9 @@ pub enum State {
     /// Not consumed (issued and unexpired; a key: released).
     Issued,
     Consumed,
+    /// Consumed, with neither result nor release past its biz type's
+    /// processing lease.
+    Uncertain,
     /// Never consumed and past its expiry.
     Expired,
     /// A state this version of the client does not know.

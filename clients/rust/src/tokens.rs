@@ -3,9 +3,12 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use std::time::Duration;
+
 use crate::client::Client;
 use crate::error::Error;
 use crate::outcome::{expect_outcome, ConsumeOutcome, Recorded, Released, State, Timestamp};
+use crate::retry::RetryPolicy;
 
 /// A new logical attempt's `request_id`: a random UUID.
 pub(crate) fn new_request_id() -> String {
@@ -65,6 +68,28 @@ pub struct ConsumeRequest {
     #[serde(skip_serializing_if = "Option::is_none")]
     fingerprint: Option<String>,
     request_id: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    wait_ms: Option<u64>,
+}
+
+/// The longest wait the ledger accepts (`wait_ms` 0 to 10,000).
+pub const MAX_WAIT: Duration = Duration::from_secs(10);
+
+/// `wait` in whole milliseconds, at most [`MAX_WAIT`].
+pub(crate) fn wait_ms(wait: Duration) -> u64 {
+    u64::try_from(wait.min(MAX_WAIT).as_millis()).unwrap_or(10_000)
+}
+
+/// The policy of a consume that may wait `wait_ms` on the ledger: each try
+/// may last that long beyond the usual per-try timeout.
+pub(crate) fn waiting_policy(base: &RetryPolicy, wait_ms: Option<u64>) -> Option<RetryPolicy> {
+    let wait = Duration::from_millis(wait_ms.filter(|w| *w > 0)?);
+    let per_try = base.attempt_timeout + wait;
+    Some(
+        base.clone()
+            .attempt_timeout(per_try)
+            .deadline(base.deadline.max(per_try + wait)),
+    )
 }
 
 impl ConsumeRequest {
@@ -74,7 +99,19 @@ impl ConsumeRequest {
             biz_type: None,
             fingerprint: None,
             request_id: new_request_id(),
+            wait_ms: None,
         }
+    }
+
+    /// Waits for the winner (`wait_ms`, at most [`MAX_WAIT`]): when another
+    /// attempt holds the token without a result, the ledger holds this
+    /// consume until that attempt records its result (then
+    /// [`ConsumeOutcome::Completed`]), releases it (then this attempt may
+    /// win), its lease runs out ([`ConsumeOutcome::Uncertain`]) or the wait
+    /// ends ([`ConsumeOutcome::InProgress`]).
+    pub fn with_wait(mut self, wait: Duration) -> ConsumeRequest {
+        self.wait_ms = Some(wait_ms(wait));
+        self
     }
 
     /// Checked against the token's own biz type (another: `token_mismatch`).
@@ -148,9 +185,14 @@ impl Client {
         token: &str,
         request: &ConsumeRequest,
     ) -> Result<ConsumeOutcome, Error> {
-        let answer = self
-            .post(self.url(&["v1", "tokens", token, "consume"]), request)
-            .await?;
+        let url = self.url(&["v1", "tokens", token, "consume"]);
+        let answer = match waiting_policy(self.retry_policy(), request.wait_ms) {
+            Some(policy) => {
+                self.call_with(&policy, reqwest::Method::POST, url, Some(request))
+                    .await?
+            }
+            None => self.post(url, request).await?,
+        };
         ConsumeOutcome::from_answer(&answer)
     }
 

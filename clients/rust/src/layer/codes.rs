@@ -9,6 +9,10 @@ pub const IDEMPOTENCY_KEY_MISSING: &str = "idempotency_key_missing";
 pub const IDEMPOTENCY_KEY_INVALID: &str = "idempotency_key_invalid";
 /// 409 with `Retry-After`: the first request with this key is still running.
 pub const IDEMPOTENCY_KEY_IN_USE: &str = "idempotency_key_in_use";
+/// 409: the first request with this key ran past its processing lease
+/// without a stored response; whether its step happened is unknown until an
+/// operator resolves it.
+pub const IDEMPOTENCY_KEY_UNCERTAIN: &str = "idempotency_key_uncertain";
 /// 422: the key was used for a request with another method, path or body.
 pub const IDEMPOTENCY_KEY_REUSED: &str = "idempotency_key_reused";
 /// 503 with `Retry-After`: the ledger could not be reached; nothing ran.
@@ -29,10 +33,11 @@ pub const STORED_RESPONSE_UNREADABLE: &str = "stored_response_unreadable";
 pub const SHUTTING_DOWN: &str = "shutting_down";
 
 /// Every code, for documentation checks.
-pub const ALL: [&str; 11] = [
+pub const ALL: [&str; 12] = [
     IDEMPOTENCY_KEY_MISSING,
     IDEMPOTENCY_KEY_INVALID,
     IDEMPOTENCY_KEY_IN_USE,
+    IDEMPOTENCY_KEY_UNCERTAIN,
     IDEMPOTENCY_KEY_REUSED,
     LEDGER_UNAVAILABLE,
     PAYLOAD_TOO_LARGE,

@@ -44,6 +44,12 @@ impl Drop for Ledger {
 
 /// The service on a random port, with a fresh database and Redis prefix.
 pub async fn spawn_ledger() -> Ledger {
+    spawn_ledger_with("").await
+}
+
+/// [`spawn_ledger`] with `extra` TOML tables over its settings (biz types'
+/// processing leases, say).
+pub async fn spawn_ledger_with(extra: &str) -> Ledger {
     let id = uuid::Uuid::new_v4().simple().to_string();
     let toml = format!(
         r#"
@@ -57,6 +63,7 @@ redis.url = "redis://127.0.0.1:6379/2"
 redis.key_prefix = "ledger-t-{id}:"
 redis.timeout = "2s"
 tokens.provisional_ttl = "1s"
+{extra}
 "#
     );
     let settings = Settings::from_toml_over_defaults(&toml).expect("test settings are valid");

@@ -183,9 +183,50 @@ async fn a_keyed_request_runs_once_and_its_retry_gets_the_stored_response_replay
 }
 
 #[tokio::test]
-async fn a_retry_while_the_first_is_running_gets_409_with_retry_after() {
+async fn a_retry_while_the_first_runs_waits_for_it_and_gets_its_stored_response() {
     let ledger = spawn_ledger().await;
     let app = serve_app(ledger.client(PAYMENTS)).await;
+    let http = reqwest::Client::new();
+    let key = uuid::Uuid::new_v4().to_string();
+    let pay = format!("{}/pay", app.url);
+    let held = app.gate.acquire_many(GATE).await.expect("close the gate");
+    let first = tokio::spawn({
+        let (http, pay, key) = (http.clone(), pay.clone(), key.clone());
+        async move { send(&http, &pay, Some(&key), json!({"cart": "c-1"})).await }
+    });
+    let runs = app.runs.clone();
+    eventually(10, || {
+        let runs = runs.clone();
+        async move { (runs.load(Ordering::SeqCst) == 1).then_some(()) }
+    })
+    .await;
+    // The retry arrives while the first runs: it waits (the default 3 s).
+    let retry = tokio::spawn({
+        let (http, pay, key) = (http.clone(), pay.clone(), key.clone());
+        async move { send(&http, &pay, Some(&key), json!({"cart": "c-1"})).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert!(!retry.is_finished(), "the retry waits for the first");
+    drop(held);
+    let first = first.await.expect("first request");
+    assert_eq!(first.status(), StatusCode::CREATED);
+    assert!(!replayed(&first));
+    let first_body: Value = first.json().await.expect("json");
+    let retry = retry.await.expect("retry");
+    assert_eq!(retry.status(), StatusCode::CREATED, "the stored status");
+    assert!(replayed(&retry));
+    assert_eq!(retry.json::<Value>().await.expect("json"), first_body);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+    ledger.stop().await;
+}
+
+#[tokio::test]
+async fn a_retry_while_the_first_is_running_gets_409_with_retry_after() {
+    let ledger = spawn_ledger().await;
+    let app = serve_app_with(ledger.client(PAYMENTS), |layer| {
+        layer.in_progress_wait(std::time::Duration::from_millis(300))
+    })
+    .await;
     let http = reqwest::Client::new();
     let key = uuid::Uuid::new_v4().to_string();
     let pay = format!("{}/pay", app.url);

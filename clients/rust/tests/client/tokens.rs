@@ -232,3 +232,102 @@ async fn error_answers_map_to_their_variants_with_status_and_code() {
     assert!(matches!(e, Error::TokenExpired(_)), "{e:?}");
     ledger.stop().await;
 }
+
+/// A consume that waits (`with_wait`) is answered by the winner's result,
+/// as soon as it is recorded; one past the processing lease is `Uncertain`,
+/// and so is the token's state and a guard's run.
+#[tokio::test]
+async fn a_waiting_consume_gets_the_winner_s_result_and_a_lease_s_end_reads_uncertain() {
+    let ledger = spawn_ledger_with("[biz.refund]\nprocessing_lease = \"1s\"\n").await;
+    let client = ledger.client(PAYMENTS);
+    for biz in [DURABLE, FAST] {
+        let token = client
+            .issue(&IssueRequest::new(biz, "user-1"))
+            .await
+            .expect("issue")
+            .token;
+        let won = client
+            .consume(&token, &ConsumeRequest::new("user-1"))
+            .await
+            .expect("consume");
+        assert!(won.is_won(), "{won:?}");
+        let waiter = tokio::spawn({
+            let (client, token) = (client.clone(), token.clone());
+            async move {
+                let started = std::time::Instant::now();
+                let answer = client
+                    .consume(
+                        &token,
+                        &ConsumeRequest::new("user-1").with_wait(std::time::Duration::from_secs(8)),
+                    )
+                    .await;
+                (answer, started.elapsed())
+            }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        client
+            .record_result(&token, "user-1", &json!({"paid": biz}))
+            .await
+            .expect("result");
+        let (answer, took) = waiter.await.expect("waiter");
+        assert_eq!(
+            answer.expect("answered"),
+            ConsumeOutcome::Completed {
+                result: json!({"paid": biz}),
+                consumed_at: match won {
+                    ConsumeOutcome::Won { consumed_at, .. } => Some(consumed_at),
+                    _ => None,
+                },
+            },
+            "{biz}"
+        );
+        assert!(
+            took < std::time::Duration::from_secs(5),
+            "{biz}: woken by the result, {took:?}"
+        );
+    }
+
+    let token = client
+        .issue(&IssueRequest::new("refund", "user-1"))
+        .await
+        .expect("issue")
+        .token;
+    let won = client
+        .consume(&token, &ConsumeRequest::new("user-1"))
+        .await
+        .expect("consume");
+    assert!(won.is_won());
+    let dup = eventually(10, || {
+        let (client, token) = (client.clone(), token.clone());
+        async move {
+            let dup = client
+                .consume(&token, &ConsumeRequest::new("user-1"))
+                .await
+                .expect("consume");
+            matches!(dup, ConsumeOutcome::Uncertain { .. }).then_some(dup)
+        }
+    })
+    .await;
+    assert!(matches!(
+        dup,
+        ConsumeOutcome::Uncertain {
+            consumed_at: Some(_)
+        }
+    ));
+    let state = client.token_state(&token, "user-1").await.expect("state");
+    assert_eq!(state.state, State::Uncertain);
+    let guarded = client
+        .guard_token(&token, ConsumeRequest::new("user-1"))
+        .wait(std::time::Duration::from_millis(200))
+        .run(|| async { Ok::<_, idempotency_ledger_client::StepError<String>>(json!(1)) })
+        .await
+        .expect("guarded");
+    assert!(
+        matches!(
+            guarded,
+            idempotency_ledger_client::Guarded::Uncertain { .. }
+        ),
+        "{guarded:?}"
+    );
+    ledger.stop().await;
+}
