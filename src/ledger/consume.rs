@@ -20,6 +20,17 @@ use crate::fast::{
 use crate::journal;
 use crate::token::VerifiedToken;
 
+/// A consume's answer before it is counted: a waiting consume
+/// ([`super::wait`]) looks several times and counts only its last answer.
+pub(super) struct Look {
+    pub(super) biz: crate::domain::BizType,
+    /// The token's (key's) id.
+    pub(super) id: i64,
+    /// A client key's consume (whose `TokenMismatch` is counted).
+    pub(super) of_key: bool,
+    pub(super) answer: Result<ConsumeAnswer, LedgerError>,
+}
+
 /// What an earlier consume left behind, from either tier.
 #[derive(Debug, Clone)]
 pub(super) struct Prior {
@@ -70,6 +81,18 @@ impl Ledger {
         text: &str,
         input: &ConsumeInput,
     ) -> Result<ConsumeAnswer, LedgerError> {
+        let look = self.look_consume(caller, text, input).await?;
+        self.tally(look)
+    }
+
+    /// One consume, not yet counted (see [`Look`]); `Err`: refused before
+    /// any tier was asked (the token's checks count themselves).
+    pub(super) async fn look_consume(
+        &self,
+        caller: &Client,
+        text: &str,
+        input: &ConsumeInput,
+    ) -> Result<Look, LedgerError> {
         let (token, settings) =
             self.authorize(caller, text, &input.subject, input.biz_type.as_ref())?;
         let biz = token.claims.biz_type.clone();
@@ -78,25 +101,37 @@ impl Ledger {
             Durability::Durable => self.consume_durable(&token, &record, input).await,
             Durability::Fast => self.consume_fast(&token, &record, input).await,
         };
-        let outcome = match &answer {
+        tracing::debug!(token = %token.redacted(), outcome = ?answer.as_ref().map(|_| ()), "consume");
+        Ok(Look {
+            biz,
+            id: record.id,
+            of_key: false,
+            answer,
+        })
+    }
+
+    /// Counts a consume's answer once (metrics, stats, the duplicate
+    /// counter) and returns it.
+    pub(super) fn tally(&self, look: Look) -> Result<ConsumeAnswer, LedgerError> {
+        let outcome = match &look.answer {
             Ok(ConsumeAnswer::Consumed {
                 replayed: false, ..
             }) => Some(ConsumeOutcome::Consumed),
             Ok(ConsumeAnswer::Consumed { replayed: true, .. }) => Some(ConsumeOutcome::Replayed),
             Ok(ConsumeAnswer::Duplicate { .. }) => {
-                self.writer.duplicate(record.id);
+                self.writer.duplicate(look.id);
                 Some(ConsumeOutcome::Duplicate)
             }
             Err(LedgerError::TokenExpired) => Some(ConsumeOutcome::Expired),
+            Err(LedgerError::TokenMismatch) if look.of_key => Some(ConsumeOutcome::Mismatch),
             Err(LedgerError::FingerprintMismatch) => Some(ConsumeOutcome::FingerprintMismatch),
             Err(LedgerError::Unavailable { .. }) => Some(ConsumeOutcome::Unavailable),
             Err(_) => None,
         };
         if let Some(outcome) = outcome {
-            self.count_consume(&biz, outcome);
+            self.count_consume(&look.biz, outcome);
         }
-        tracing::debug!(token = %token.redacted(), outcome = ?answer.as_ref().map(|_| ()), "consume");
-        answer
+        look.answer
     }
 
     /// Whether our clock says the token's embedded expiry has passed. Only a

@@ -21,10 +21,10 @@
 
 use serde_json::Value as Json;
 
-use super::consume::{answer_from_row, classify, Attempted, MarkerAnswer, Prior};
+use super::consume::{answer_from_row, classify, Attempted, Look, MarkerAnswer, Prior};
 use super::core::ms;
 use super::result::Held;
-use super::{ConsumeAnswer, ConsumeOutcome, Ledger, LedgerError, ResultAnswer};
+use super::{ConsumeAnswer, Ledger, LedgerError, ResultAnswer};
 use crate::auth::Client;
 use crate::config::Durability;
 use crate::domain::key::{identity, ClientKey};
@@ -107,30 +107,28 @@ impl Ledger {
         caller: &Client,
         input: &KeyInput,
     ) -> Result<ConsumeAnswer, LedgerError> {
+        let look = self.look_consume_key(caller, input).await?;
+        self.tally(look)
+    }
+
+    /// One consume of a key, not yet counted (see [`Look`]).
+    pub(super) async fn look_consume_key(
+        &self,
+        caller: &Client,
+        input: &KeyInput,
+    ) -> Result<Look, LedgerError> {
         let subject = input.subject.as_ref().map(Subject::as_str).unwrap_or("");
         let held = self.held_key(caller, &input.biz_type, &input.key, subject)?;
         let answer = match held.durability {
             Durability::Durable => self.consume_key_durable(&held, input).await,
             Durability::Fast => self.consume_key_fast(&held, input).await,
         };
-        let outcome = match &answer {
-            Ok(ConsumeAnswer::Consumed {
-                replayed: false, ..
-            }) => Some(ConsumeOutcome::Consumed),
-            Ok(ConsumeAnswer::Consumed { replayed: true, .. }) => Some(ConsumeOutcome::Replayed),
-            Ok(ConsumeAnswer::Duplicate { .. }) => {
-                self.writer.duplicate(held.record.id);
-                Some(ConsumeOutcome::Duplicate)
-            }
-            Err(LedgerError::TokenMismatch) => Some(ConsumeOutcome::Mismatch),
-            Err(LedgerError::FingerprintMismatch) => Some(ConsumeOutcome::FingerprintMismatch),
-            Err(LedgerError::Unavailable { .. }) => Some(ConsumeOutcome::Unavailable),
-            Err(_) => None,
-        };
-        if let Some(outcome) = outcome {
-            self.count_consume(&input.biz_type, outcome);
-        }
-        answer
+        Ok(Look {
+            biz: input.biz_type.clone(),
+            id: held.record.id,
+            of_key: true,
+            answer,
+        })
     }
 
     async fn consume_key_durable(

@@ -9,6 +9,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use super::api::{ConsumeAnswer, ConsumeInput, DuplicateStatus};
+use super::consume::Look;
 use super::{KeyInput, Ledger, LedgerError};
 use crate::auth::Client;
 use crate::domain::key::identity;
@@ -45,7 +46,7 @@ impl Ledger {
             Ok(token) if !wait.is_zero() => token.claims.id.as_i64(),
             _ => return self.consume(caller, text, input).await,
         };
-        self.waiting(id, wait, || self.consume(caller, text, input))
+        self.waiting(id, wait, || self.look_consume(caller, text, input))
             .await
     }
 
@@ -60,14 +61,15 @@ impl Ledger {
             return self.consume_key(caller, input).await;
         }
         let id = identity(&caller.name, &input.biz_type, &input.key).id;
-        self.waiting(id, wait, || self.consume_key(caller, input))
+        self.waiting(id, wait, || self.look_consume_key(caller, input))
             .await
     }
 
     /// Consumes, and while the answer is `processing` and `wait` lasts,
     /// consumes again after each change of `id`. The wake-up is armed before
     /// each consume looks, so a change between the look and the wait is
-    /// not missed.
+    /// not missed. Only the answer given is counted (one consume attempt,
+    /// one duplicate at most, however often it looked).
     async fn waiting<F, Fut>(
         &self,
         id: i64,
@@ -76,7 +78,7 @@ impl Ledger {
     ) -> Result<ConsumeAnswer, LedgerError>
     where
         F: FnMut() -> Fut,
-        Fut: Future<Output = Result<ConsumeAnswer, LedgerError>>,
+        Fut: Future<Output = Result<Look, LedgerError>>,
     {
         let deadline = tokio::time::Instant::now() + wait.min(MAX_WAIT);
         let watch = self.changes.watch(id);
@@ -84,12 +86,12 @@ impl Ledger {
             let changed = watch.notify().notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            let answer = consume().await?;
-            if !in_progress(&answer) {
-                return Ok(answer);
+            let look = consume().await?;
+            if !look.answer.as_ref().is_ok_and(in_progress) {
+                return self.tally(look);
             }
             if tokio::time::timeout_at(deadline, changed).await.is_err() {
-                return Ok(answer);
+                return self.tally(look);
             }
         }
     }

@@ -50,6 +50,7 @@ async fn every_waiter_on_every_instance_is_answered_by_one_result() {
             (s, won["outcome"].as_str()),
             (StatusCode::OK, Some("consumed"))
         );
+        let (dup_a, dup_b) = (duplicates(&a, biz).await, duplicates(&b, biz).await);
         let waiting: Vec<_> = (0..520)
             .map(|i| {
                 let app = if i < 500 { a.clone() } else { b.clone() };
@@ -85,7 +86,26 @@ async fn every_waiter_on_every_instance_is_answered_by_one_result() {
         }
         assert_eq!(a.ledger.waiting_consumes(), 0);
         assert_eq!(b.ledger.waiting_consumes(), 0);
+        // Each waiter is one duplicate, however often it looked.
+        assert_eq!(
+            (
+                duplicates(&a, biz).await - dup_a,
+                duplicates(&b, biz).await - dup_b
+            ),
+            (500, 20),
+            "{biz}"
+        );
     }
+}
+
+/// `ledger_consume_total{biz_type, outcome="duplicate"}` of one instance.
+async fn duplicates(app: &TestApp, biz: &str) -> u64 {
+    let text = app.metrics_text().await;
+    let prefix = format!("ledger_consume_total{{biz_type=\"{biz}\",outcome=\"duplicate\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 /// A waiter wins the token its winner releases; the others go on waiting
