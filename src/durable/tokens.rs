@@ -266,11 +266,13 @@ pub enum ResultDecided {
 
 /// Records the business result of a consumed token, with its audit row.
 pub async fn set_result(pool: &PgPool, id: i64, result: &Json) -> Result<ResultRow, DurableError> {
-    Ok(match set_result_versioned(pool, id, result, None).await? {
-        ResultDecided::Recorded(_) => ResultRow::Recorded,
-        ResultDecided::Existing(e) => ResultRow::Existing(e),
-        ResultDecided::Unknown => ResultRow::Unknown,
-    })
+    Ok(
+        match set_result_versioned(pool, id, result, None, None).await? {
+            ResultDecided::Recorded(_) => ResultRow::Recorded,
+            ResultDecided::Existing(e) => ResultRow::Existing(e),
+            ResultDecided::Unknown => ResultRow::Unknown,
+        },
+    )
 }
 
 /// Records the business result of a consumed token, with its audit row, and
@@ -283,6 +285,7 @@ pub async fn set_result_versioned(
     id: i64,
     result: &Json,
     detail: Option<&Json>,
+    of_request: Option<&str>,
 ) -> Result<ResultDecided, DurableError> {
     let row = super::fetch_optional(pool, || {
         sqlx::query(
@@ -290,6 +293,7 @@ pub async fn set_result_versioned(
         WITH upd AS (
             UPDATE tokens SET result = $2, result_at = now()
              WHERE id = $1 AND state = 'consumed' AND result IS NULL
+               AND ($4::text IS NULL OR request_id = $4)
             RETURNING id, token, key, subject, biz_type, client, state, consumed_at, fingerprint,
                       request_id, result, order_id, expires_at, gen, result_at
         ), audit AS (
@@ -307,6 +311,7 @@ pub async fn set_result_versioned(
     .bind(id)
     .bind(result)
     .bind(detail)
+    .bind(of_request)
     })
     .await?;
     if let Some(r) = row {
@@ -332,15 +337,17 @@ pub enum ReleaseRow {
 /// Returns a consumed token with no result and no order event to issued, at
 /// the next generation, with its audit row.
 pub async fn release(pool: &PgPool, id: i64) -> Result<ReleaseRow, DurableError> {
-    release_with(pool, id, None).await
+    release_with(pool, id, None, None).await
 }
 
 /// [`release`], with `detail` as the audit row's detail (an operator's
-/// release: `{"by": "admin", "reason": ...}`).
+/// release: `{"by": "admin", "reason": ...}`), and only while the consume
+/// of `of_request` holds it, when given.
 pub async fn release_with(
     pool: &PgPool,
     id: i64,
     detail: Option<&Json>,
+    of_request: Option<&str>,
 ) -> Result<ReleaseRow, DurableError> {
     let row = super::fetch_optional(pool, || {
         sqlx::query(
@@ -352,6 +359,7 @@ pub async fn release_with(
                    -- A key dates its release here (see V6).
                    expires_at = CASE WHEN key IS NULL THEN expires_at ELSE now() END
              WHERE id = $1 AND state = 'consumed' AND result IS NULL AND order_id IS NULL
+               AND ($3::text IS NULL OR request_id = $3)
             RETURNING id, token, key, subject, biz_type, client, expires_at, gen
         ), audit AS (
             INSERT INTO audit_events (kind, token_id, token, subject, biz_type, client, gen, detail)
@@ -368,6 +376,7 @@ pub async fn release_with(
         )
         .bind(id)
         .bind(detail)
+        .bind(of_request)
     })
     .await?;
     if let Some(r) = row {

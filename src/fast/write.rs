@@ -324,8 +324,10 @@ impl FastTier {
         token: &str,
         op: &'static str,
         arg: String,
+        of_request: Option<&str>,
         journal: &[(&'static str, String)],
     ) -> Result<FastWrite, FastError> {
+        let of_request = of_request.unwrap_or("");
         let (key, journal_key, arg) = (&self.token_key(token), &self.journal_key(), &arg);
         let script = &self.scripts.fast_write;
         let append = self.journal_in_script() && !journal.is_empty();
@@ -335,7 +337,10 @@ impl FastTier {
                 if append {
                     inv.key(journal_key);
                 }
-                inv.arg(op).arg(arg).arg(if append { "1" } else { "0" });
+                inv.arg(op)
+                    .arg(arg)
+                    .arg(if append { "1" } else { "0" })
+                    .arg(of_request);
                 if append {
                     for (k, v) in journal {
                         inv.arg(*k).arg(v.as_str());

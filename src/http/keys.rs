@@ -175,6 +175,13 @@ pub struct KeyResultRequest {
     /// Any JSON value (object, array, string, number, boolean, null);
     /// replayed to later duplicates.
     pub result: Json,
+    /// The `request_id` of the consume this call belongs to (optional):
+    /// when given, it applies only while that consume holds the key; after
+    /// a release and another consume, 409 (`not_consumed` / `not_releasable`)
+    /// instead of acting on the other attempt's consume.
+    #[schema(example = "req-881", min_length = 1, max_length = 128)]
+    #[serde(default)]
+    pub request_id: Option<String>,
 }
 impl BodyLimit for KeyResultRequest {
     const LIMIT: usize = 64 * 1024;
@@ -201,6 +208,7 @@ pub async fn result(
 ) -> Result<HttpResponse, ApiError> {
     let biz = parse(BizType::parse(&body.biz_type))?;
     let key = parse(ClientKey::parse(&body.key))?;
+    let of_request = parse(body.request_id.as_deref().map(RequestId::parse).transpose())?;
     if crate::domain::json_holds_nul(&body.result) {
         return Err(ApiError::invalid(
             "`result` may not hold U+0000 in any string or key (Postgres cannot store it)",
@@ -208,7 +216,7 @@ pub async fn result(
     }
     let answer = state
         .ledger
-        .record_key_result(&caller, &biz, &key, &body.result)
+        .record_key_result(&caller, &biz, &key, &body.result, of_request.as_ref())
         .await?;
     let mut resp = HttpResponse::Ok();
     if answer == ResultAnswer::AlreadyRecorded {
@@ -225,6 +233,13 @@ pub struct KeyReleaseRequest {
     #[schema(example = "order")]
     pub biz_type: String,
     pub key: String,
+    /// The `request_id` of the consume this call belongs to (optional):
+    /// when given, it applies only while that consume holds the key; after
+    /// a release and another consume, 409 (`not_consumed` / `not_releasable`)
+    /// instead of acting on the other attempt's consume.
+    #[schema(example = "req-881", min_length = 1, max_length = 128)]
+    #[serde(default)]
+    pub request_id: Option<String>,
 }
 impl BodyLimit for KeyReleaseRequest {}
 
@@ -248,7 +263,11 @@ pub async fn release(
 ) -> Result<HttpResponse, ApiError> {
     let biz = parse(BizType::parse(&body.biz_type))?;
     let key = parse(ClientKey::parse(&body.key))?;
-    state.ledger.release_key(&caller, &biz, &key).await?;
+    let of_request = parse(body.request_id.as_deref().map(RequestId::parse).transpose())?;
+    state
+        .ledger
+        .release_key(&caller, &biz, &key, of_request.as_ref())
+        .await?;
     Ok(HttpResponse::Ok().json(OutcomeResponse {
         outcome: "released",
     }))

@@ -301,6 +301,13 @@ pub struct ResultRequest {
     /// Any JSON; replayed to later duplicates.
     /// Any JSON value (object, array, string, number, boolean, null).
     pub result: Json,
+    /// The `request_id` of the consume this call belongs to (optional):
+    /// when given, it applies only while that consume holds the token; after
+    /// a release and another consume, 409 (`not_consumed` / `not_releasable`)
+    /// instead of acting on the other attempt's consume.
+    #[schema(example = "req-881", min_length = 1, max_length = 128)]
+    #[serde(default)]
+    pub request_id: Option<String>,
 }
 impl BodyLimit for ResultRequest {
     const LIMIT: usize = 64 * 1024;
@@ -337,9 +344,11 @@ pub async fn result(
         ));
     }
     let token = path_token(&token)?;
+    let of_request = body.request_id.as_deref().map(RequestId::parse).transpose();
+    let of_request = parse(of_request)?;
     let answer = state
         .ledger
-        .record_result(&caller, token, &subject, &body.result)
+        .record_result(&caller, token, &subject, &body.result, of_request.as_ref())
         .await?;
     let mut resp = HttpResponse::Ok();
     if answer == ResultAnswer::AlreadyRecorded {
@@ -354,6 +363,13 @@ pub async fn result(
 #[serde(deny_unknown_fields)]
 pub struct ReleaseRequest {
     pub subject: String,
+    /// The `request_id` of the consume this call belongs to (optional):
+    /// when given, it applies only while that consume holds the token; after
+    /// a release and another consume, 409 (`not_consumed` / `not_releasable`)
+    /// instead of acting on the other attempt's consume.
+    #[schema(example = "req-881", min_length = 1, max_length = 128)]
+    #[serde(default)]
+    pub request_id: Option<String>,
 }
 impl BodyLimit for ReleaseRequest {}
 
@@ -376,7 +392,11 @@ pub async fn release(
 ) -> Result<HttpResponse, ApiError> {
     let subject = parse(Subject::parse(&body.subject))?;
     let token = path_token(&token)?;
-    state.ledger.release(&caller, token, &subject).await?;
+    let of_request = parse(body.request_id.as_deref().map(RequestId::parse).transpose())?;
+    state
+        .ledger
+        .release(&caller, token, &subject, of_request.as_ref())
+        .await?;
     Ok(HttpResponse::Ok().json(OutcomeResponse {
         outcome: "released",
     }))

@@ -97,6 +97,7 @@ impl Ledger {
             // A released key's issued state (and generation) stays in Redis
             // as long as a consumed marker would.
             issued_until_ms: self.clock.now_ms() + self.fast.consumed_ttl_ms(),
+            of_request: None,
         }
     }
 
@@ -341,8 +342,10 @@ impl Ledger {
         biz: &BizType,
         key: &ClientKey,
         result: &Json,
+        of_request: Option<&RequestId>,
     ) -> Result<ResultAnswer, LedgerError> {
-        let held = self.held_key(caller, biz, key, "")?;
+        let mut held = self.held_key(caller, biz, key, "")?;
+        held.of_request = of_request.map(|r| r.as_str().to_owned());
         self.record_result_of(&held, result).await
     }
 
@@ -353,8 +356,10 @@ impl Ledger {
         caller: &Client,
         biz: &BizType,
         key: &ClientKey,
+        of_request: Option<&RequestId>,
     ) -> Result<(), LedgerError> {
-        let held = self.held_key(caller, biz, key, "")?;
+        let mut held = self.held_key(caller, biz, key, "")?;
+        held.of_request = of_request.map(|r| r.as_str().to_owned());
         self.release_of(&held).await
     }
 

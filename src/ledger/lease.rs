@@ -188,7 +188,7 @@ impl Ledger {
             let arg = format!("{remaining}:{}:{}", d.gen, lease_ms(lease));
             match self
                 .fast
-                .fast_write(&d.handle, "lease_release", arg, &fields)
+                .fast_write(&d.handle, "lease_release", arg, None, &fields)
                 .await
             {
                 Ok(FastWrite::Released) => {

@@ -20,7 +20,7 @@ use super::degraded::Resync;
 use super::{Ledger, LedgerError, ResultAnswer};
 use crate::auth::Client;
 use crate::config::Durability;
-use crate::domain::{Reason, Subject};
+use crate::domain::{Reason, RequestId, Subject};
 use crate::durable::timed;
 use crate::durable::tokens::{self, Existing, ReleaseRow, ResultDecided, TokenRecord, TokenState};
 use crate::fast::{Attempt, ConsumeMode, FastError, FastWrite, Marker, ScriptOutcome};
@@ -38,6 +38,10 @@ pub(super) struct Held {
     /// Until when its issued state lives in Redis after a release, ms since
     /// the epoch: a token's expiry; for a key, `redis.consumed_ttl` from now.
     pub(super) issued_until_ms: i64,
+    /// The `request_id` of the consume a result or release belongs to, when
+    /// the caller names it: the call then applies only while that consume
+    /// holds the token (not after a release and another consume).
+    pub(super) of_request: Option<String>,
 }
 
 /// The consumed marker of a Postgres row (its result included).
@@ -55,6 +59,7 @@ impl Ledger {
         text: &str,
         subject: &Subject,
         result: &Json,
+        of_request: Option<&RequestId>,
     ) -> Result<ResultAnswer, LedgerError> {
         let (token, settings) = self.authorize(caller, text, subject, None)?;
         let held = Held {
@@ -62,6 +67,7 @@ impl Ledger {
             record: self.record_for(&token, settings.durability, caller, subject),
             durability: settings.durability,
             issued_until_ms: token.claims.expires_at_ms(),
+            of_request: of_request.map(|r| r.as_str().to_owned()),
         };
         self.record_result_of(&held, result).await
     }
@@ -120,7 +126,13 @@ impl Ledger {
             }
             match self
                 .fast
-                .fast_write(&held.handle, "result", encoded.clone(), &fields)
+                .fast_write(
+                    &held.handle,
+                    "result",
+                    encoded.clone(),
+                    held.of_request.as_deref(),
+                    &fields,
+                )
                 .await
             {
                 Ok(FastWrite::Recorded) => return Ok(ResultAnswer::Recorded),
@@ -156,6 +168,7 @@ impl Ledger {
                 id,
                 result,
                 detail.as_ref(),
+                held.of_request.as_deref(),
             )),
         )
         .await
@@ -177,6 +190,16 @@ impl Ledger {
                 }
                 self.result_to_redis(&held.handle, &e).await;
                 Ok(ResultAnswer::Recorded)
+            }
+            // Consumed by another attempt than the one the caller names (its
+            // consume was released and the token consumed again).
+            ResultDecided::Existing(e)
+                if held
+                    .of_request
+                    .as_deref()
+                    .is_some_and(|rid| e.request_id.as_deref() != Some(rid)) =>
+            {
+                Err(LedgerError::NotConsumed)
             }
             ResultDecided::Existing(e) if e.state == TokenState::Consumed => match &e.result {
                 Some(stored) if stored == result => {
@@ -229,6 +252,7 @@ impl Ledger {
         caller: &Client,
         text: &str,
         subject: &Subject,
+        of_request: Option<&RequestId>,
     ) -> Result<(), LedgerError> {
         let (token, settings) = self.authorize(caller, text, subject, None)?;
         let held = Held {
@@ -236,6 +260,7 @@ impl Ledger {
             record: self.record_for(&token, settings.durability, caller, subject),
             durability: settings.durability,
             issued_until_ms: token.claims.expires_at_ms(),
+            of_request: of_request.map(|r| r.as_str().to_owned()),
         };
         self.release_of(&held).await
     }
@@ -269,6 +294,7 @@ impl Ledger {
             record,
             durability: settings.durability,
             issued_until_ms: token.claims.expires_at_ms(),
+            of_request: None,
         };
         let detail = serde_json::json!({"by": caller.name, "reason": reason.as_str()});
         self.release_held(&held, fields, Some(&detail)).await
@@ -296,6 +322,7 @@ impl Ledger {
             record,
             durability: settings.durability,
             issued_until_ms: token.claims.expires_at_ms(),
+            of_request: None,
         };
         self.record_result_as(&held, result, Some((&caller.name, reason.as_str())))
             .await
@@ -403,7 +430,13 @@ impl Ledger {
             let fields = fields.unwrap_or_else(|| journal::release_fields_for(&held.record));
             match self
                 .fast
-                .fast_write(&held.handle, "release", remaining.to_string(), &fields)
+                .fast_write(
+                    &held.handle,
+                    "release",
+                    remaining.to_string(),
+                    held.of_request.as_deref(),
+                    &fields,
+                )
                 .await
             {
                 // The journal entry carries the release (and its audit row) to Postgres.
@@ -439,8 +472,12 @@ impl Ledger {
         let row = timed(
             &self.metrics,
             "release",
-            self.pools
-                .bounded(tokens::release_with(&self.pools.hot, id, detail)),
+            self.pools.bounded(tokens::release_with(
+                &self.pools.hot,
+                id,
+                detail,
+                held.of_request.as_deref(),
+            )),
         )
         .await
         .map_err(LedgerError::postgres)?;

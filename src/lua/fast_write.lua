@@ -7,7 +7,9 @@
 --          'ttl_ms:gen:lease_ms' (lease_release: a release only of generation
 --          `gen`, and only once its consume is lease_ms old by Redis's clock)
 -- ARGV[3]  '1' to append to the journal stream
--- ARGV[4..] journal entry fields
+-- ARGV[4]  the request_id of the consume this result or release belongs to
+--          ('' any): another consume's holds it: not_consumed / not_releasable
+-- ARGV[5..] journal entry fields
 --
 -- The journal entry gets what only this script knows: `at` (now, ms), `g`
 -- (a result: the consumed generation it belongs to; a release: the next,
@@ -30,8 +32,9 @@ if not g then
   if s == 'c' then g = 1 else g = 0 end
 end
 local at, rid, fp = h[5] or '', h[6] or '', h[7] or ''
+local other = ARGV[4] ~= '' and rid ~= ARGV[4]
 if ARGV[1] == 'result' then
-  if s ~= 'c' then return {'not_consumed', ''} end
+  if s ~= 'c' or other then return {'not_consumed', ''} end
   if h[2] then
     if h[2] == ARGV[2] then return {'same', h[2]} end
     return {'conflict', h[2]}
@@ -39,12 +42,12 @@ if ARGV[1] == 'result' then
   redis.call('HSET', key, 'res', ARGV[2])
   if ARGV[3] == '1' then
     redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, 'cat', at, 'rid', rid, 'fp', fp,
-      unpack(ARGV, 4))
+      unpack(ARGV, 5))
   end
   return {'recorded', '', tostring(g), tostring(now), at, rid, fp}
 end
 -- release
-if s ~= 'c' or h[2] or h[3] then return {'not_releasable', ''} end
+if s ~= 'c' or h[2] or h[3] or other then return {'not_releasable', ''} end
 local ttl_arg = ARGV[2]
 if ARGV[1] == 'lease_release' then
   local ttl_s, want, lease = string.match(ARGV[2], '^(%-?%d+):(%d+):(%d+)$')
@@ -67,6 +70,6 @@ if ttl > 0 then
   redis.call('PEXPIRE', key, ttl)
 end
 if ARGV[3] == '1' then
-  redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, unpack(ARGV, 4))
+  redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, unpack(ARGV, 5))
 end
 return {'released', '', tostring(g), tostring(now)}

@@ -1,7 +1,7 @@
 //! Recording results and releasing tokens.
 
 use reqwest::StatusCode;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use crate::helpers::*;
 
@@ -415,4 +415,146 @@ async fn results_with_extreme_numbers_read_back_as_recorded() {
         (results >= 4).then_some(())
     })
     .await;
+}
+
+/// Issue 24, item 7: a result (or release) names the consume it belongs to
+/// (`request_id`). After that consume was released and another attempt
+/// consumed the token, the first consumer's late result or release is
+/// refused (409) instead of landing on the second attempt's consume.
+#[tokio::test]
+async fn a_late_result_or_release_never_lands_on_another_attempt_s_consume() {
+    let app = spawn_app().await;
+    for biz in BIZES {
+        // A token.
+        let token = app.issue(PAYMENTS, biz, "u").await;
+        let path = |op: &str| format!("/v1/tokens/{token}/{op}");
+        let (app_ref, token_ref) = (&app, &token);
+        let consume = |rid: &'static str| async move {
+            app_ref
+                .consume(
+                    PAYMENTS,
+                    token_ref,
+                    &json!({"subject": "u", "request_id": rid}),
+                )
+                .await
+        };
+        assert_eq!(consume("r-1").await.status(), StatusCode::OK);
+        let (s, _, _) = answer(
+            app.post(
+                PAYMENTS,
+                &path("release"),
+                &json!({"subject": "u", "request_id": "r-1"}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{biz}: r-1 releases its own consume");
+        let (_, _, won) = answer(consume("r-2").await).await;
+        assert_eq!(won["outcome"], "consumed", "{biz}");
+        let (s, _, late) = answer(
+            app.post(
+                PAYMENTS,
+                &path("result"),
+                &json!({"subject": "u", "request_id": "r-1", "result": {"from": "r-1"}}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(
+            (s, late["error"].as_str()),
+            (StatusCode::CONFLICT, Some("not_consumed")),
+            "{biz}: {late}"
+        );
+        let (s, _, late) = answer(
+            app.post(
+                PAYMENTS,
+                &path("release"),
+                &json!({"subject": "u", "request_id": "r-1"}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(
+            (s, late["error"].as_str()),
+            (StatusCode::CONFLICT, Some("not_releasable")),
+            "{biz}: {late}"
+        );
+        // The second attempt's own result lands.
+        let (s, _, _) = answer(
+            app.post(
+                PAYMENTS,
+                &path("result"),
+                &json!({"subject": "u", "request_id": "r-2", "result": {"from": "r-2"}}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{biz}");
+        let (_, _, dup) = answer(consume("r-3").await).await;
+        assert_eq!(dup["result"], json!({"from": "r-2"}), "{biz}");
+
+        // A client key.
+        let key = format!("k-{}", uuid::Uuid::new_v4());
+        let (app_ref, key_ref) = (&app, &key);
+        let consume_key = |rid: &'static str| async move {
+            app_ref
+                .post(
+                    PAYMENTS,
+                    "/v1/keys/consume",
+                    &json!({"biz_type": biz, "key": key_ref, "request_id": rid}),
+                )
+                .await
+        };
+        assert_eq!(consume_key("r-1").await.status(), StatusCode::OK);
+        let (s, _, _) = answer(
+            app.post(
+                PAYMENTS,
+                "/v1/keys/release",
+                &json!({"biz_type": biz, "key": key, "request_id": "r-1"}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{biz}");
+        let (_, _, won) = answer(consume_key("r-2").await).await;
+        assert_eq!(won["outcome"], "consumed", "{biz}");
+        let (s, _, late) = answer(
+            app.post(
+                PAYMENTS,
+                "/v1/keys/result",
+                &json!({"biz_type": biz, "key": key, "request_id": "r-1", "result": 1}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(
+            (s, late["error"].as_str()),
+            (StatusCode::CONFLICT, Some("not_consumed")),
+            "{biz}: {late}"
+        );
+        let (s, _, late) = answer(
+            app.post(
+                PAYMENTS,
+                "/v1/keys/release",
+                &json!({"biz_type": biz, "key": key, "request_id": "r-1"}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(
+            (s, late["error"].as_str()),
+            (StatusCode::CONFLICT, Some("not_releasable")),
+            "{biz}: {late}"
+        );
+        let (_, _, state) = answer(
+            app.get(PAYMENTS, &format!("/v1/keys?biz_type={biz}&key={key}"))
+                .await,
+        )
+        .await;
+        assert_eq!(
+            (state["state"].as_str(), &state["result"]),
+            (Some("consumed"), &Value::Null),
+            "{biz}: the second attempt's consume is untouched"
+        );
+    }
 }

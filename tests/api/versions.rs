@@ -725,6 +725,7 @@ async fn a_result_applied_before_its_consume_on_another_instance_is_kept() {
             &rec.token,
             "result",
             result.to_string(),
+            None,
             &idempotency_ledger::journal::result_fields_for(&rec, &result.to_string()),
         )
         .await
@@ -796,6 +797,7 @@ async fn fast_consume_release_consume_spread_over_instances_ends_at_the_last_con
                     &rec.token,
                     "release",
                     "60000".into(),
+                    None,
                     &idempotency_ledger::journal::release_fields_for(&rec),
                 )
                 .await

@@ -264,12 +264,22 @@ impl Guard {
         match &self.target {
             Target::Token { token, request } => {
                 self.client
-                    .record_result(token, request.subject(), &result)
+                    .record_result_of(
+                        token,
+                        request.subject(),
+                        Some(request.request_id()),
+                        &result,
+                    )
                     .await
             }
             Target::Key(request) => {
                 self.client
-                    .record_key_result(request.biz_type(), request.key(), &result)
+                    .record_key_result_of(
+                        request.biz_type(),
+                        request.key(),
+                        Some(request.request_id()),
+                        &result,
+                    )
                     .await
             }
         }
@@ -278,10 +288,18 @@ impl Guard {
 
     async fn release(&self) -> Result<Released, Error> {
         match &self.target {
-            Target::Token { token, request } => self.client.release(token, request.subject()).await,
+            Target::Token { token, request } => {
+                self.client
+                    .release_of(token, request.subject(), Some(request.request_id()))
+                    .await
+            }
             Target::Key(request) => {
                 self.client
-                    .release_key(request.biz_type(), request.key())
+                    .release_key_of(
+                        request.biz_type(),
+                        request.key(),
+                        Some(request.request_id()),
+                    )
                     .await
             }
         }

@@ -85,6 +85,8 @@ impl KeyConsumeRequest {
 struct KeyBody<'a> {
     biz_type: &'a str,
     key: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    request_id: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -92,6 +94,8 @@ struct KeyResultBody<'a, R: ?Sized> {
     biz_type: &'a str,
     key: &'a str,
     result: &'a R,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    request_id: Option<&'a str>,
 }
 
 /// `GET /v1/keys?biz_type=&key=`.
@@ -128,6 +132,18 @@ impl Client {
         key: &str,
         result: &R,
     ) -> Result<Recorded, Error> {
+        self.record_key_result_of(biz_type, key, None, result).await
+    }
+
+    /// [`Client::record_key_result`] for the consume of `request_id` (when
+    /// given), as [`Client::record_result_of`].
+    pub async fn record_key_result_of<R: Serialize + ?Sized>(
+        &self,
+        biz_type: &str,
+        key: &str,
+        request_id: Option<&str>,
+        result: &R,
+    ) -> Result<Recorded, Error> {
         let answer = self
             .post(
                 self.url(&["v1", "keys", "result"]),
@@ -135,6 +151,7 @@ impl Client {
                     biz_type,
                     key,
                     result,
+                    request_id,
                 },
             )
             .await?;
@@ -147,10 +164,25 @@ impl Client {
     /// Gives a consumed key back (`POST /v1/keys/release`): the step failed
     /// before any side effect, and the key can be consumed again.
     pub async fn release_key(&self, biz_type: &str, key: &str) -> Result<Released, Error> {
+        self.release_key_of(biz_type, key, None).await
+    }
+
+    /// [`Client::release_key`] of the consume of `request_id` (when given),
+    /// as [`Client::release_of`].
+    pub async fn release_key_of(
+        &self,
+        biz_type: &str,
+        key: &str,
+        request_id: Option<&str>,
+    ) -> Result<Released, Error> {
         let answer = self
             .post(
                 self.url(&["v1", "keys", "release"]),
-                &KeyBody { biz_type, key },
+                &KeyBody {
+                    biz_type,
+                    key,
+                    request_id,
+                },
             )
             .await?;
         expect_outcome(&answer, "released")?;

@@ -533,7 +533,11 @@ where
     }
     match config.client.consume_key(&consume).await {
         Ok(ConsumeOutcome::Won { .. }) => {
-            run_once(config, inner, Request::from_parts(parts, full(body)), key).await
+            let won = Won {
+                request_id: consume.request_id().to_owned(),
+                key,
+            };
+            run_once(config, inner, Request::from_parts(parts, full(body)), won).await
         }
         Ok(ConsumeOutcome::InProgress { .. }) => Ok(with_retry_after(
             problem(
@@ -583,13 +587,21 @@ where
 
 type Panic = Box<dyn Any + Send>;
 
+/// The key this request's consume won, and that consume's `request_id`:
+/// its response is stored (or the key released) only while that consume
+/// holds the key, never onto a later attempt's after a release.
+struct Won {
+    key: String,
+    request_id: String,
+}
+
 /// Runs the handler in its own task (a dropped connection does not cancel it
 /// halfway), then stores its response or releases the key.
 async fn run_once<S, ResB>(
     config: Arc<Config>,
     mut inner: S,
     req: Request<BoxBody>,
-    key: String,
+    key: Won,
 ) -> Result<Response<BoxBody>, S::Error>
 where
     S: Service<Request<BoxBody>, Response = Response<ResB>> + Send + 'static,
@@ -606,7 +618,7 @@ where
 async fn spawn_settled<Fut, ResB, E>(
     config: Arc<Config>,
     handler: Fut,
-    key: String,
+    key: Won,
 ) -> Result<Response<BoxBody>, E>
 where
     Fut: Future<Output = Result<Response<ResB>, E>> + Send + 'static,
@@ -641,15 +653,19 @@ where
     }
 }
 
-async fn release(config: &Config, key: &str, why: &str) {
-    if let Err(e) = config.client.release_key(&config.biz_type, key).await {
+async fn release(config: &Config, key: &Won, why: &str) {
+    if let Err(e) = config
+        .client
+        .release_key_of(&config.biz_type, &key.key, Some(&key.request_id))
+        .await
+    {
         tracing::warn!(error = %e, why, "could not release an idempotency key; retries answer 409 until it is released");
     }
 }
 
 /// Stores a response whose status is stored (by default below 500, not
 /// 408 or 429) as the key's result; releases the key for the others.
-async fn settle<ResB>(config: &Config, key: &str, resp: Response<ResB>) -> Response<BoxBody>
+async fn settle<ResB>(config: &Config, key: &Won, resp: Response<ResB>) -> Response<BoxBody>
 where
     ResB: Body<Data = Bytes> + Send + 'static,
     ResB::Error: Into<BoxError>,
@@ -690,7 +706,7 @@ where
     }
     if let Err(e) = config
         .client
-        .record_key_result(&config.biz_type, key, &stored)
+        .record_key_result_of(&config.biz_type, &key.key, Some(&key.request_id), &stored)
         .await
     {
         tracing::warn!(error = %e, "could not store the response; retries answer 409 until it is stored");

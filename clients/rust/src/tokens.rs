@@ -146,12 +146,16 @@ impl ConsumeRequest {
 #[derive(Serialize)]
 struct SubjectBody<'a> {
     subject: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    request_id: Option<&'a str>,
 }
 
 #[derive(Serialize)]
 struct ResultBody<'a, R: ?Sized> {
     subject: &'a str,
     result: &'a R,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    request_id: Option<&'a str>,
 }
 
 /// `GET /v1/tokens/{token}?subject=`: what a token's own client may read.
@@ -205,10 +209,27 @@ impl Client {
         subject: &str,
         result: &R,
     ) -> Result<Recorded, Error> {
+        self.record_result_of(token, subject, None, result).await
+    }
+
+    /// [`Client::record_result`] for the consume of `request_id` (when
+    /// given): recorded only while that consume holds the token, never on
+    /// another attempt's consume after a release (then `NotConsumed`).
+    pub async fn record_result_of<R: Serialize + ?Sized>(
+        &self,
+        token: &str,
+        subject: &str,
+        request_id: Option<&str>,
+        result: &R,
+    ) -> Result<Recorded, Error> {
         let answer = self
             .post(
                 self.url(&["v1", "tokens", token, "result"]),
-                &ResultBody { subject, result },
+                &ResultBody {
+                    subject,
+                    result,
+                    request_id,
+                },
             )
             .await?;
         expect_outcome(&answer, "recorded")?;
@@ -224,10 +245,25 @@ impl Client {
     /// earlier try released it and the answer was lost: read
     /// [`Client::token_state`] when you need to know).
     pub async fn release(&self, token: &str, subject: &str) -> Result<Released, Error> {
+        self.release_of(token, subject, None).await
+    }
+
+    /// [`Client::release`] of the consume of `request_id` (when given):
+    /// released only while that consume holds the token (else
+    /// `NotReleasable`).
+    pub async fn release_of(
+        &self,
+        token: &str,
+        subject: &str,
+        request_id: Option<&str>,
+    ) -> Result<Released, Error> {
         let answer = self
             .post(
                 self.url(&["v1", "tokens", token, "release"]),
-                &SubjectBody { subject },
+                &SubjectBody {
+                    subject,
+                    request_id,
+                },
             )
             .await?;
         expect_outcome(&answer, "released")?;
