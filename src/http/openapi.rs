@@ -254,7 +254,11 @@ impl Modify for Common {
         }
         // On these reads an empty query value counts as absent (`?until=`):
         // a typed parameter also takes the empty string.
-        for path in ["/v1/admin/audit", "/v1/admin/reconcile/runs"] {
+        for path in [
+            "/v1/admin/audit",
+            "/v1/admin/reconcile/runs",
+            "/v1/admin/uncertain",
+        ] {
             let Some(op) = openapi
                 .paths
                 .paths
