@@ -74,6 +74,30 @@ def test_release_gives_the_token_back(client: Client) -> None:
     assert isinstance(client.consume(token, subject), Consumed)
 
 
+def test_a_late_result_or_release_never_lands_on_another_attempts_consume(client: Client) -> None:
+    for biz in ("order", "like"):
+        subject = unique("user")
+        token = client.issue(biz, subject).token
+        assert isinstance(client.consume(token, subject, request_id="r-1"), Consumed)
+        client.release(token, subject, request_id="r-1")
+        assert isinstance(client.consume(token, subject, request_id="r-2"), Consumed)
+        with pytest.raises(NotConsumedError):
+            client.record_result(token, subject, {"from": "r-1"}, request_id="r-1")
+        with pytest.raises(NotReleasableError):
+            client.release(token, subject, request_id="r-1")
+        client.record_result(token, subject, {"from": "r-2"}, request_id="r-2")
+        assert client.token_state(token, subject).result == {"from": "r-2"}
+
+        key = unique("k")
+        assert isinstance(client.consume_key(biz, key, request_id="r-1"), Consumed)
+        client.release_key(biz, key, request_id="r-1")
+        assert isinstance(client.consume_key(biz, key, request_id="r-2"), Consumed)
+        with pytest.raises(NotConsumedError):
+            client.record_key_result(biz, key, 1, request_id="r-1")
+        with pytest.raises(NotReleasableError):
+            client.release_key(biz, key, request_id="r-1")
+
+
 def test_token_errors_carry_code_and_status(client: Client) -> None:
     subject = unique("user")
     with pytest.raises(TokenInvalidError) as bad:

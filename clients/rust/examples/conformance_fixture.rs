@@ -145,12 +145,16 @@ fn env_or(name: &str, default: &str) -> String {
 /// The fixture's layer: key required, default stored statuses, 409 at once,
 /// scoped by `X-User`.
 fn layer(ledger: Client, biz_type: String) -> IdempotencyLayer {
-    IdempotencyLayer::new(ledger, biz_type).scope_by(|req| {
-        req.headers()
-            .get("x-user")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-    })
+    IdempotencyLayer::new(ledger, biz_type)
+        // The vectors check the draft's answer to a concurrent retry (409 at
+        // once), as the Python and Express fixtures answer by default.
+        .in_progress_wait(std::time::Duration::ZERO)
+        .scope_by(|req| {
+            req.headers()
+                .get("x-user")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        })
 }
 
 #[tokio::main]

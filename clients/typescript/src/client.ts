@@ -49,6 +49,17 @@ export interface CallOptions {
   signal?: AbortSignal;
 }
 
+/**
+ * A result or release call's options: `requestId` names the consume it
+ * belongs to (the `request_id` that consume sent). With it, the call applies
+ * only while that consume holds the token or key; after a release and
+ * another attempt's consume it is refused (`not_consumed` / `not_releasable`)
+ * instead of writing onto the other attempt's consume.
+ */
+export interface SettleOptions extends CallOptions {
+  requestId?: string;
+}
+
 /** A success answer: its status, whether it repeats an earlier one, its JSON body. */
 interface Answer {
   status: number;
@@ -125,8 +136,9 @@ export class LedgerClient {
    * Records the business result of a token this client consumed: any value
    * `JSON.stringify` takes, at most 64 KiB with the request.
    */
-  async recordResult(token: string, subject: string, result: unknown, options?: CallOptions): Promise<Recorded> {
-    const a = await this.#call("POST", ["v1", "tokens", token, "result"], undefined, { subject, result }, options);
+  async recordResult(token: string, subject: string, result: unknown, options?: SettleOptions): Promise<Recorded> {
+    const body = { subject, result, request_id: options?.requestId };
+    const a = await this.#call("POST", ["v1", "tokens", token, "result"], undefined, body, options);
     expectOutcome(a, "recorded");
     return { replayed: a.replayed };
   }
@@ -136,8 +148,9 @@ export class LedgerClient {
    * effect: the same token can be consumed again. `not_releasable` when it has
    * a result or an order event, or is not consumed.
    */
-  async release(token: string, subject: string, options?: CallOptions): Promise<void> {
-    const a = await this.#call("POST", ["v1", "tokens", token, "release"], undefined, { subject }, options);
+  async release(token: string, subject: string, options?: SettleOptions): Promise<void> {
+    const body = { subject, request_id: options?.requestId };
+    const a = await this.#call("POST", ["v1", "tokens", token, "release"], undefined, body, options);
     expectOutcome(a, "released");
   }
 
@@ -157,15 +170,17 @@ export class LedgerClient {
   }
 
   /** Records the result of a key this client consumed (`POST /v1/keys/result`). */
-  async recordKeyResult(bizType: string, key: string, result: unknown, options?: CallOptions): Promise<Recorded> {
-    const a = await this.#call("POST", ["v1", "keys", "result"], undefined, { biz_type: bizType, key, result }, options);
+  async recordKeyResult(bizType: string, key: string, result: unknown, options?: SettleOptions): Promise<Recorded> {
+    const body = { biz_type: bizType, key, result, request_id: options?.requestId };
+    const a = await this.#call("POST", ["v1", "keys", "result"], undefined, body, options);
     expectOutcome(a, "recorded");
     return { replayed: a.replayed };
   }
 
   /** Gives a consumed key back (`POST /v1/keys/release`). */
-  async releaseKey(bizType: string, key: string, options?: CallOptions): Promise<void> {
-    const a = await this.#call("POST", ["v1", "keys", "release"], undefined, { biz_type: bizType, key }, options);
+  async releaseKey(bizType: string, key: string, options?: SettleOptions): Promise<void> {
+    const body = { biz_type: bizType, key, request_id: options?.requestId };
+    const a = await this.#call("POST", ["v1", "keys", "release"], undefined, body, options);
     expectOutcome(a, "released");
   }
 

@@ -124,8 +124,8 @@ export function guardToken<R>(
   return run(
     {
       consume: () => client.consume(token, req, options.call),
-      record: (result) => client.recordResult(token, req.subject, result, options.call),
-      release: () => client.release(token, req.subject, options.call),
+      record: (result) => client.recordResult(token, req.subject, result, { ...options.call, requestId: req.request_id }),
+      release: () => client.release(token, req.subject, { ...options.call, requestId: req.request_id }),
     },
     step,
     options,
@@ -143,8 +143,8 @@ export function guardKey<R>(
   return run(
     {
       consume: () => client.consumeKey(req, options.call),
-      record: (result) => client.recordKeyResult(req.biz_type, req.key, result, options.call),
-      release: () => client.releaseKey(req.biz_type, req.key, options.call),
+      record: (result) => client.recordKeyResult(req.biz_type, req.key, result, { ...options.call, requestId: req.request_id }),
+      release: () => client.releaseKey(req.biz_type, req.key, { ...options.call, requestId: req.request_id }),
     },
     step,
     options,

@@ -7,7 +7,7 @@
  * The Express `Idempotency-Key` middleware is the `./express` entry point.
  */
 
-export { LedgerClient, REPLAYED, type CallOptions, type ClientOptions } from "./client.js";
+export { LedgerClient, REPLAYED, type CallOptions, type ClientOptions, type SettleOptions } from "./client.js";
 export { LedgerError, type ApiErrorCode, type LedgerErrorInit, type TransportCode } from "./errors.js";
 export { DEFAULT_RETRY, NO_RETRY, backoffMs, parseRetryAfter, retryPolicy, type RetryPolicy } from "./retry.js";
 export {

@@ -88,6 +88,20 @@ describe("tokens", () => {
     assert.equal(err.code, "not_releasable");
   });
 
+  it("a late result or release naming an earlier consume never lands on another attempt's", async () => {
+    for (const biz_type of ["order", "like"]) {
+      const subject = unique("user");
+      const { token } = await client.issue({ biz_type, subject });
+      assert.equal((await client.consume(token, { subject, request_id: "r-1" })).outcome, "consumed");
+      await client.release(token, subject, { requestId: "r-1" });
+      assert.equal((await client.consume(token, { subject, request_id: "r-2" })).outcome, "consumed");
+      assert.equal((await rejection(client.recordResult(token, subject, 1, { requestId: "r-1" }))).code, "not_consumed");
+      assert.equal((await rejection(client.release(token, subject, { requestId: "r-1" }))).code, "not_releasable");
+      await client.recordResult(token, subject, { from: "r-2" }, { requestId: "r-2" });
+      assert.deepEqual((await client.tokenState(token, subject)).result, { from: "r-2" });
+    }
+  });
+
   it("errors carry the API's code and status and are sent once", async () => {
     const before = sent;
     const invalid = await rejection(client.consume("order_not-a-real-token", { subject: "u" }));

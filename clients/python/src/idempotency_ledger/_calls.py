@@ -153,21 +153,21 @@ def _released(a: Answer) -> Released:
     return Released()
 
 
-def record_result(token: str, subject: str, result: Any) -> Call[Recorded]:
+def record_result(token: str, subject: str, result: Any, request_id: Optional[str] = None) -> Call[Recorded]:
     return Call(
         "POST",
         _path("v1", "tokens", _nonempty("token", token), "result"),
         _recorded,
-        _encode({"subject": subject, "result": result}),
+        _encode({"subject": subject, "result": result, "request_id": request_id}),
     )
 
 
-def release(token: str, subject: str) -> Call[Released]:
+def release(token: str, subject: str, request_id: Optional[str] = None) -> Call[Released]:
     return Call(
         "POST",
         _path("v1", "tokens", _nonempty("token", token), "release"),
         _released,
-        _encode({"subject": subject}),
+        _encode({"subject": subject, "request_id": request_id}),
     )
 
 
@@ -209,17 +209,24 @@ def consume_key(
     )
 
 
-def record_key_result(biz_type: str, key: str, result: Any) -> Call[Recorded]:
+def record_key_result(
+    biz_type: str, key: str, result: Any, request_id: Optional[str] = None
+) -> Call[Recorded]:
     return Call(
         "POST",
         "/v1/keys/result",
         _recorded,
-        _encode({"biz_type": biz_type, "key": key, "result": result}),
+        _encode({"biz_type": biz_type, "key": key, "result": result, "request_id": request_id}),
     )
 
 
-def release_key(biz_type: str, key: str) -> Call[Released]:
-    return Call("POST", "/v1/keys/release", _released, _encode({"biz_type": biz_type, "key": key}))
+def release_key(biz_type: str, key: str, request_id: Optional[str] = None) -> Call[Released]:
+    return Call(
+        "POST",
+        "/v1/keys/release",
+        _released,
+        _encode({"biz_type": biz_type, "key": key, "request_id": request_id}),
+    )
 
 
 def key_state(biz_type: str, key: str) -> Call[KeyState]:

@@ -51,6 +51,7 @@ import base64
 import json
 import logging
 import re
+import uuid
 from dataclasses import dataclass
 from typing import (
     Any,
@@ -275,11 +276,15 @@ class IdempotencyMiddleware:
             return
 
         fp = request_fingerprint(info.method, path, body)
+        # This request's consume: its response is stored (or the key released)
+        # only while this consume holds the key.
+        request_id = str(uuid.uuid4())
         try:
             outcome = await self.client.consume_key(
                 self.biz_type,
                 ledger_key,
                 fingerprint=fp,
+                request_id=request_id,
                 wait_ms=self.in_progress_wait_ms or None,
             )
         except FingerprintMismatchError:
@@ -315,7 +320,7 @@ class IdempotencyMiddleware:
             return
 
         if isinstance(outcome, Consumed):
-            resp = await asyncio.shield(asyncio.ensure_future(self._run_once(scope, receive, body, ledger_key)))
+            resp = await asyncio.shield(asyncio.ensure_future(self._run_once(scope, receive, body, ledger_key, request_id)))
             await _send(send, resp)
         elif outcome.status is DuplicateStatus.COMPLETED:
             await _send(send, replay(outcome.result))
@@ -370,7 +375,9 @@ class IdempotencyMiddleware:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _run_once(self, scope: Scope, receive: Receive, body: bytes, key: str) -> _Response:
+    async def _run_once(
+        self, scope: Scope, receive: Receive, body: bytes, key: str, request_id: str
+    ) -> _Response:
         """Runs the app once, then stores its response or releases the key."""
         sent_body = False
 
@@ -394,18 +401,18 @@ class IdempotencyMiddleware:
         try:
             await self.app(scope, replay_receive, capture)
         except BaseException:
-            await self._release(key, "the application raised")
+            await self._release(key, request_id, "the application raised")
             raise
         if start is None:
-            await self._release(key, "the application sent no response")
+            await self._release(key, request_id, "the application sent no response")
             raise RuntimeError("the ASGI application returned without starting a response")
         resp = _Response(int(start["status"]), [(bytes(k), bytes(v)) for k, v in start.get("headers", [])], b"".join(chunks))
         if not self.store_status(resp.status):
-            await self._release(key, "the application answered a status that is not stored")
+            await self._release(key, request_id, "the application answered a status that is not stored")
             return resp
         stored = self._stored(resp)
         try:
-            await self.client.record_key_result(self.biz_type, key, stored)
+            await self.client.record_key_result(self.biz_type, key, stored, request_id=request_id)
         except LedgerError as e:
             log.warning("could not store the response; retries answer 409 until it is stored: %s", e)
         return resp
@@ -430,9 +437,9 @@ class IdempotencyMiddleware:
             stored["body_omitted"] = True
         return stored
 
-    async def _release(self, key: str, why: str) -> None:
+    async def _release(self, key: str, request_id: str, why: str) -> None:
         try:
-            await self.client.release_key(self.biz_type, key)
+            await self.client.release_key(self.biz_type, key, request_id=request_id)
         except LedgerError as e:
             log.warning("could not release an idempotency key (%s); retries answer 409 until it is released: %s", why, e)
 

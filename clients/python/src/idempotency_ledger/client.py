@@ -179,13 +179,17 @@ class Client(_Methods):
         the outcome): keep it to ask again after a lost answer."""
         return self._run(calls.consume(token, subject, biz_type, fingerprint, request_id, wait_ms))
 
-    def record_result(self, token: str, subject: str, result: Any) -> Recorded:
-        """Records the business result of a token this client consumed."""
-        return self._run(calls.record_result(token, subject, result))
+    def record_result(self, token: str, subject: str, result: Any, *, request_id: Optional[str] = None) -> Recorded:
+        """Records the business result of a token this client consumed. With
+        ``request_id`` (the one your consume sent), only while that consume
+        holds the token: after a release and another attempt's consume,
+        ``NotConsumed`` instead of writing onto the other attempt's."""
+        return self._run(calls.record_result(token, subject, result, request_id))
 
-    def release(self, token: str, subject: str) -> Released:
-        """Gives a consumed token back (the step failed before any side effect)."""
-        return self._run(calls.release(token, subject))
+    def release(self, token: str, subject: str, *, request_id: Optional[str] = None) -> Released:
+        """Gives a consumed token back (the step failed before any side
+        effect); with ``request_id``, only while that consume holds it."""
+        return self._run(calls.release(token, subject, request_id))
 
     def token_state(self, token: str, subject: str) -> TokenState:
         """Reads a token's state without consuming it."""
@@ -206,11 +210,13 @@ class Client(_Methods):
         """Consumes a client-supplied key (``POST /v1/keys/consume``)."""
         return self._run(calls.consume_key(biz_type, key, subject, fingerprint, request_id, wait_ms))
 
-    def record_key_result(self, biz_type: str, key: str, result: Any) -> Recorded:
-        return self._run(calls.record_key_result(biz_type, key, result))
+    def record_key_result(
+        self, biz_type: str, key: str, result: Any, *, request_id: Optional[str] = None
+    ) -> Recorded:
+        return self._run(calls.record_key_result(biz_type, key, result, request_id))
 
-    def release_key(self, biz_type: str, key: str) -> Released:
-        return self._run(calls.release_key(biz_type, key))
+    def release_key(self, biz_type: str, key: str, *, request_id: Optional[str] = None) -> Released:
+        return self._run(calls.release_key(biz_type, key, request_id))
 
     def key_state(self, biz_type: str, key: str) -> KeyState:
         """``GET /v1/keys``; a key nobody consumed raises KeyNotFoundError."""
@@ -347,11 +353,13 @@ class AsyncClient(_Methods):
     ) -> ConsumeOutcome:
         return await self._run(calls.consume(token, subject, biz_type, fingerprint, request_id, wait_ms))
 
-    async def record_result(self, token: str, subject: str, result: Any) -> Recorded:
-        return await self._run(calls.record_result(token, subject, result))
+    async def record_result(
+        self, token: str, subject: str, result: Any, *, request_id: Optional[str] = None
+    ) -> Recorded:
+        return await self._run(calls.record_result(token, subject, result, request_id))
 
-    async def release(self, token: str, subject: str) -> Released:
-        return await self._run(calls.release(token, subject))
+    async def release(self, token: str, subject: str, *, request_id: Optional[str] = None) -> Released:
+        return await self._run(calls.release(token, subject, request_id))
 
     async def token_state(self, token: str, subject: str) -> TokenState:
         return await self._run(calls.token_state(token, subject))
@@ -368,11 +376,13 @@ class AsyncClient(_Methods):
     ) -> ConsumeOutcome:
         return await self._run(calls.consume_key(biz_type, key, subject, fingerprint, request_id, wait_ms))
 
-    async def record_key_result(self, biz_type: str, key: str, result: Any) -> Recorded:
-        return await self._run(calls.record_key_result(biz_type, key, result))
+    async def record_key_result(
+        self, biz_type: str, key: str, result: Any, *, request_id: Optional[str] = None
+    ) -> Recorded:
+        return await self._run(calls.record_key_result(biz_type, key, result, request_id))
 
-    async def release_key(self, biz_type: str, key: str) -> Released:
-        return await self._run(calls.release_key(biz_type, key))
+    async def release_key(self, biz_type: str, key: str, *, request_id: Optional[str] = None) -> Released:
+        return await self._run(calls.release_key(biz_type, key, request_id))
 
     async def key_state(self, biz_type: str, key: str) -> KeyState:
         return await self._run(calls.key_state(biz_type, key))

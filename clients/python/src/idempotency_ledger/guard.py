@@ -253,9 +253,9 @@ class Guard(_GuardState):
         t = self.target
         try:
             if isinstance(t, TokenTarget):
-                self.client.record_result(t.token, t.subject, result)
+                self.client.record_result(t.token, t.subject, result, request_id=t.request_id)
             else:
-                self.client.record_key_result(t.biz_type, t.key, result)
+                self.client.record_key_result(t.biz_type, t.key, result, request_id=t.request_id)
         except LedgerError as e:
             raise RecordError(result, e) from e
         self.recorded = True
@@ -264,8 +264,8 @@ class Guard(_GuardState):
     def release(self) -> Released:
         t = self.target
         if isinstance(t, TokenTarget):
-            return self.client.release(t.token, t.subject)
-        return self.client.release_key(t.biz_type, t.key)
+            return self.client.release(t.token, t.subject, request_id=t.request_id)
+        return self.client.release_key(t.biz_type, t.key, request_id=t.request_id)
 
     def __exit__(
         self,
@@ -324,9 +324,9 @@ class AsyncGuard(_GuardState):
         t = self.target
         try:
             if isinstance(t, TokenTarget):
-                await self.client.record_result(t.token, t.subject, result)
+                await self.client.record_result(t.token, t.subject, result, request_id=t.request_id)
             else:
-                await self.client.record_key_result(t.biz_type, t.key, result)
+                await self.client.record_key_result(t.biz_type, t.key, result, request_id=t.request_id)
         except LedgerError as e:
             raise RecordError(result, e) from e
         self.recorded = True
@@ -335,8 +335,8 @@ class AsyncGuard(_GuardState):
     async def release(self) -> Released:
         t = self.target
         if isinstance(t, TokenTarget):
-            return await self.client.release(t.token, t.subject)
-        return await self.client.release_key(t.biz_type, t.key)
+            return await self.client.release(t.token, t.subject, request_id=t.request_id)
+        return await self.client.release_key(t.biz_type, t.key, request_id=t.request_id)
 
     async def __aexit__(
         self,

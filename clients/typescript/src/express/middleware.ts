@@ -35,6 +35,7 @@ import type { NextFunction, Request, RequestHandler, Response } from "express";
 
 import type { CallOptions, LedgerClient } from "../client.js";
 import { LedgerError } from "../errors.js";
+import { newRequestId } from "../ids.js";
 import { canonicalJson, requestFingerprint } from "../fingerprint.js";
 import type { ConsumeOutcome } from "../types.js";
 import { isSafe, keyHeaderValues, ledgerKey, readKey } from "./key.js";
@@ -172,12 +173,16 @@ async function handle(config: Config, req: Request, res: Response, next: NextFun
   const scoped = ledgerKey(read.key, scope === undefined || scope === null ? undefined : String(scope));
   if (!scoped.ok) return sendProblem(res, "idempotency_key_invalid", scoped.why);
   const key = scoped.key;
+  // This request's consume: its response is stored (or the key released) only
+  // while this consume holds the key.
+  const requestId = newRequestId();
   let outcome: ConsumeOutcome;
   try {
     outcome = await config.client.consumeKey(
       {
         biz_type: config.bizType,
         key,
+        request_id: requestId,
         fingerprint: requestFingerprint(req.method, req.originalUrl, body),
         ...(config.waitMs > 0 ? { wait_ms: config.waitMs } : {}),
       },
@@ -199,7 +204,7 @@ async function handle(config: Config, req: Request, res: Response, next: NextFun
     return sendProblem(res, "ledger_error", "The request was not run.");
   }
   if (outcome.outcome === "consumed") {
-    capture(config, res, key);
+    capture(config, res, key, requestId);
     return next();
   }
   switch (outcome.status) {
@@ -298,7 +303,7 @@ type WriteCallback = (error?: Error | null) => void;
  * result (then sent), or, for a status that is not stored, the key released
  * (then sent).
  */
-function capture(config: Config, res: Response, key: string): void {
+function capture(config: Config, res: Response, key: string, requestId: string): void {
   const original = { writeHead: res.writeHead, write: res.write, end: res.end, flushHeaders: res.flushHeaders };
   const chunks: Buffer[] = [];
   let ended = false;
@@ -344,7 +349,7 @@ function capture(config: Config, res: Response, key: string): void {
     if (b !== undefined) chunks.push(b);
     const callback = [chunk, encoding, cb].find((x) => typeof x === "function") as (() => void) | undefined;
     const body = Buffer.concat(chunks);
-    settle(config, this, key, body).finally(() => {
+    settle(config, this, key, requestId, body).finally(() => {
       this.writeHead = original.writeHead;
       this.write = original.write;
       this.flushHeaders = original.flushHeaders;
@@ -356,11 +361,11 @@ function capture(config: Config, res: Response, key: string): void {
   } as typeof res.end;
 }
 
-async function settle(config: Config, res: Response, key: string, body: Buffer): Promise<void> {
+async function settle(config: Config, res: Response, key: string, requestId: string, body: Buffer): Promise<void> {
   const status = res.statusCode;
   if (!config.storeStatuses(status)) {
     try {
-      await config.client.releaseKey(config.bizType, key, config.call);
+      await config.client.releaseKey(config.bizType, key, { ...config.call, requestId });
     } catch (e) {
       // Retries answer 409 until the key is released (by you, or an operator).
       config.onLedgerError(e, "release");
@@ -369,7 +374,7 @@ async function settle(config: Config, res: Response, key: string, body: Buffer):
   }
   const stored = storedOf(status, res.getHeaders(), config.storeHeaders, body);
   try {
-    await config.client.recordKeyResult(config.bizType, key, stored, config.call);
+    await config.client.recordKeyResult(config.bizType, key, stored, { ...config.call, requestId });
   } catch (e) {
     // The handler ran: the key stays consumed, and retries answer 409 until a response is recorded.
     config.onLedgerError(e, "record");
