@@ -161,6 +161,8 @@ impl FastTier {
             .map(|g| g.to_string())
             .unwrap_or_default();
         let create_at = create_at.as_str();
+        let timeout = self.settings.timeout;
+        let deadline = &self.deadline;
         let reply: Vec<String> = self
             .call_idempotent(Lane::Serving, "consume", |mut c| async move {
                 let mut inv = evalsha(script, if append { 2 } else { 1 });
@@ -177,7 +179,9 @@ impl FastTier {
                     .arg(if append { "1" } else { "0" })
                     .arg(key_args.subject.unwrap_or(""))
                     .arg(create_at)
-                    .arg(if key_args.subject_checked { "1" } else { "0" });
+                    .arg(if key_args.subject_checked { "1" } else { "0" })
+                    // Set at each send: a resend gets its own deadline.
+                    .arg(deadline.arg(timeout));
                 if append {
                     for (k, v) in journal {
                         inv.arg(*k).arg(v.as_str());
@@ -186,7 +190,10 @@ impl FastTier {
                 run_script(script, &inv, &mut c).await
             })
             .await?;
-        let (outcome, version) = parse_consume_reply(&reply, self.clock.now_ms())?;
+        let parsed = parse_consume_reply(&reply, self.clock.now_ms());
+        let (Ok((_, version)) | Err((_, version))) = &parsed;
+        self.deadline.observe(version.now_ms);
+        let (outcome, version) = parsed.map_err(|(e, _)| e)?;
         let label = match outcome {
             ScriptOutcome::Miss => "miss",
             _ => "hit",
@@ -230,10 +237,11 @@ fn opt(s: &str) -> Option<String> {
 }
 
 /// `now_ms`: ours, for a reply that lacks Redis's (never from our scripts).
+/// A refusal keeps the reply's version (Redis's clock, for the deadline).
 fn parse_consume_reply(
     reply: &[String],
     now_ms: i64,
-) -> Result<(ScriptOutcome, KeyVersion), FastError> {
+) -> Result<(ScriptOutcome, KeyVersion), (FastError, KeyVersion)> {
     let field = |i: usize| reply.get(i).map(String::as_str).unwrap_or("");
     let version = KeyVersion {
         gen: field(5).parse().unwrap_or(-1),
@@ -256,7 +264,16 @@ fn parse_consume_reply(
         "issued" => ScriptOutcome::Issued,
         "mismatch" => ScriptOutcome::Mismatch,
         "unbound" => ScriptOutcome::Unbound,
-        other => return Err(FastError::Protocol(format!("consume answered {other:?}"))),
+        // It reached Redis after this call's deadline and decided nothing
+        // (see `deadline`); the caller, if it still waits, hears what a
+        // timeout tells it.
+        "late" => return Err((FastError::Timeout, version)),
+        other => {
+            return Err((
+                FastError::Protocol(format!("consume answered {other:?}")),
+                version,
+            ))
+        }
     };
     Ok((outcome, version))
 }

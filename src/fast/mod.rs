@@ -10,6 +10,9 @@
 //! The files:
 //! - `conn`: connections (standalone or cluster, TLS) made lazily and shared;
 //! - `call`: one call under the timeout, the breaker and the metrics;
+//! - `deadline`: the not-after bound (in Redis's clock) a deciding script
+//!   carries, so that one reaching Redis after its caller gave up decides
+//!   nothing;
 //! - `consume`: the consume script and what it answers;
 //! - `write`: the issue seed, write-backs of Postgres's decisions, result and
 //!   release of fast types;
@@ -27,6 +30,7 @@ use redis::Script;
 mod call;
 mod conn;
 mod consume;
+mod deadline;
 mod health;
 mod journal;
 mod route;
@@ -95,6 +99,8 @@ pub struct FastTier {
     /// Cluster only: where an entry whose `XADD` failed goes before the
     /// answer (Postgres, through the drainer's apply; set at start).
     journal_fallback: std::sync::OnceLock<journal::JournalFallback>,
+    /// How a deciding script's not-after bound is set (see `deadline`).
+    deadline: deadline::Deadline,
 }
 
 impl std::fmt::Debug for FastTier {
@@ -135,6 +141,7 @@ impl FastTier {
             slot_map: std::sync::RwLock::new(None),
             journal_backlog: Default::default(),
             journal_fallback: std::sync::OnceLock::new(),
+            deadline: deadline::Deadline::new(),
         })
     }
 }

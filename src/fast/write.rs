@@ -328,6 +328,7 @@ impl FastTier {
         journal: &[(&'static str, String)],
     ) -> Result<FastWrite, FastError> {
         let of_request = of_request.unwrap_or("");
+        let (timeout, deadline) = (self.settings.timeout, &self.deadline);
         let (key, journal_key, arg) = (&self.token_key(token), &self.journal_key(), &arg);
         let script = &self.scripts.fast_write;
         let append = self.journal_in_script() && !journal.is_empty();
@@ -340,7 +341,8 @@ impl FastTier {
                 inv.arg(op)
                     .arg(arg)
                     .arg(if append { "1" } else { "0" })
-                    .arg(of_request);
+                    .arg(of_request)
+                    .arg(deadline.arg(timeout));
                 if append {
                     for (k, v) in journal {
                         inv.arg(*k).arg(v.as_str());
@@ -350,9 +352,15 @@ impl FastTier {
             })
             .await?;
         let field = |i: usize| reply.get(i).cloned().unwrap_or_default();
+        if let Ok(redis_now) = field(3).parse::<i64>() {
+            self.deadline.observe(redis_now);
+        }
         let kind = reply.first().map(String::as_str).unwrap_or("");
         let detail = field(1);
         let out = match kind {
+            // It reached Redis after this call's deadline and wrote nothing
+            // (see `deadline`): to a caller still waiting, a timeout.
+            "late" => return Err(FastError::Timeout),
             "recorded" => FastWrite::Recorded,
             "same" => FastWrite::Same,
             "conflict" => FastWrite::Conflict(detail),

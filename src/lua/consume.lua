@@ -18,7 +18,9 @@
 --          consume: Postgres's generation for it, 0 when it has no row)
 -- ARGV[10] client keys, fast mode: '1' when the service checked ARGV[8]
 --          against Postgres, so a key without a recorded subject takes it
--- ARGV[11..] journal entry fields (field, value pairs), fast mode only
+-- ARGV[11] not after: Redis's time (ms) past which the caller has given up
+--          ('' none): the script then answers `late` and writes nothing
+-- ARGV[12..] journal entry fields (field, value pairs), fast mode only
 --
 -- Hash fields: s state (i issued, p provisional, c consumed), g generation
 -- (bumped by every consume and release: odd while consumed; a key written
@@ -49,6 +51,7 @@
 --   mismatch    client keys, fast mode: bound to another subject than ARGV[8]
 --   unbound     client keys, fast mode: ARGV[8] given, and the hash has no
 --               recorded subject to compare it with (nothing written)
+--   late        it ran after ARGV[11]: nothing read or written
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local key = KEYS[1]
@@ -65,6 +68,9 @@ end
 local function reply(kind, at, rid, fp, res)
   return {kind, at or '', rid or '', fp or '', res or '', tostring(g), tostring(now)}
 end
+-- Its caller gave up (503, outcome unknown) and may have retried elsewhere:
+-- deciding now would act for nobody.
+if ARGV[11] and ARGV[11] ~= '' and now > tonumber(ARGV[11]) then return reply('late') end
 
 local subject = ARGV[8] or ''
 if mode == 'fast' and not s and ARGV[9] and ARGV[9] ~= '' then
@@ -104,7 +110,7 @@ if mode == 'fast' then
   if s == 'p' then redis.call('HDEL', key, 'd') end
   redis.call('PEXPIRE', key, ARGV[6])
   if ARGV[7] == '1' then
-    redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, unpack(ARGV, 11))
+    redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, unpack(ARGV, 12))
   end
   return reply('won', tostring(now))
 end

@@ -9,7 +9,9 @@
 -- ARGV[3]  '1' to append to the journal stream
 -- ARGV[4]  the request_id of the consume this result or release belongs to
 --          ('' any): another consume's holds it: not_consumed / not_releasable
--- ARGV[5..] journal entry fields
+-- ARGV[5]  not after: Redis's time (ms) past which the caller has given up
+--          ('' none): the script then answers `late` and writes nothing
+-- ARGV[6..] journal entry fields
 --
 -- The journal entry gets what only this script knows: `at` (now, ms), `g`
 -- (a result: the consumed generation it belongs to; a release: the next,
@@ -19,8 +21,10 @@
 -- Returns {kind, detail, g, now, cat, rid, fp}:
 --   result:  recorded | same | conflict (detail: stored result) | not_consumed | miss
 --   release, lease_release: released | not_releasable | miss
+--   any: late (it ran after ARGV[5]: nothing written)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if ARGV[5] ~= '' and now > tonumber(ARGV[5]) then return {'late', '', '', tostring(now)} end
 local key = KEYS[1]
 local h = redis.call('HMGET', key, 's', 'res', 'ord', 'g', 'at', 'rid', 'fp', 'sub')
 local s = h[1]
@@ -42,7 +46,7 @@ if ARGV[1] == 'result' then
   redis.call('HSET', key, 'res', ARGV[2])
   if ARGV[3] == '1' then
     redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, 'cat', at, 'rid', rid, 'fp', fp,
-      unpack(ARGV, 5))
+      unpack(ARGV, 6))
   end
   return {'recorded', '', tostring(g), tostring(now), at, rid, fp}
 end
@@ -70,6 +74,6 @@ if ttl > 0 then
   redis.call('PEXPIRE', key, ttl)
 end
 if ARGV[3] == '1' then
-  redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, unpack(ARGV, 5))
+  redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, unpack(ARGV, 6))
 end
 return {'released', '', tostring(g), tostring(now)}

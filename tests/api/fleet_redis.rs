@@ -721,3 +721,57 @@ async fn a_partition_never_yields_two_deciders_of_a_fast_token() {
     pg_link.open();
     redis_link.open();
 }
+
+/// Issue 24, item 6: a fast consume whose script is held in a stalled link
+/// (its caller heard 503) reaches Redis after the caller retried on another
+/// instance, won, and released the token. Run then, it consumed the token
+/// for nobody (the next attempt heard `duplicate`). Scripts carry a
+/// not-after bound in Redis's clock: past it, they decide nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_script_held_in_a_stalled_link_never_consumes_a_token_released_meanwhile() {
+    let redis = RedisProc::start();
+    let link = Link::to(redis.port).await;
+    let stores = Stores::fresh()
+        .with(FAST_TIMEOUT)
+        .with("redis.down_after = \"30s\"");
+    let a = spawn_app_on(
+        stores
+            .clone()
+            .redis(&format!("redis://127.0.0.1:{}", link.port())),
+    )
+    .await;
+    let b = spawn_app_on(stores.redis(&redis.url())).await;
+    // Both instances have run a script (loaded, and Redis's clock known).
+    for app in [&a, &b] {
+        let warm = issue_likes(app, 1).await;
+        assert!(consumed(&consume_on(app, &warm[0]).await));
+    }
+    let token = issue_likes(&b, 1).await.remove(0);
+    wait_redis_state(&redis.conn().await, &b.token_key(&token), "i", 5).await;
+
+    // A's consume is held in the link: A answers 503 (outcome unknown).
+    link.stall();
+    let held = consume_as(&a, &token, "r-1").await;
+    assert_eq!(held.0, StatusCode::SERVICE_UNAVAILABLE, "{held:?}");
+    // The client retries on B: it wins, then its step fails before any side
+    // effect and it releases the token.
+    let retried = consume_as(&b, &token, "r-1").await;
+    assert!(consumed(&retried), "{retried:?}");
+    let r = b
+        .post(
+            PAYMENTS,
+            &format!("/v1/tokens/{token}/release"),
+            &json!({"subject": "fan", "request_id": "r-1"}),
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    // The held script reaches Redis now.
+    link.open();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The token is free: the next attempt consumes it.
+    let next = consume_as(&b, &token, "r-2").await;
+    assert!(
+        consumed(&next),
+        "the late script consumed the released token for nobody: {next:?}"
+    );
+}

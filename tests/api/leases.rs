@@ -304,18 +304,24 @@ async fn an_operator_resolves_an_uncertain_token_or_key_either_way() {
 async fn a_lease_runs_out_across_a_restart_of_every_instance() {
     let stores = Stores::fresh().with(UNCERTAIN);
     let app = spawn_app_on(stores.clone()).await;
-    let token = app.issue(PAYMENTS, "refund", "u").await;
-    consume(&app, &token, "r-1").await;
-    let (_, dup) = consume(&app, &token, "r-2").await;
-    assert_eq!(dup["status"], "processing");
+    let mut tokens = Vec::new();
+    for biz in BIZES {
+        let token = app.issue(PAYMENTS, biz, "u").await;
+        consume(&app, &token, "r-1").await;
+        let (_, dup) = consume(&app, &token, "r-2").await;
+        assert_eq!(dup["status"], "processing", "{biz}");
+        tokens.push((biz, token));
+    }
     app.stop().await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let app = spawn_app_on(stores).await;
-    token_status_becomes(&app, &token, "uncertain").await;
-    eventually(10, || async {
-        listed(&app, "refund", "token", &token).await.then_some(())
-    })
-    .await;
+    for (biz, token) in &tokens {
+        token_status_becomes(&app, token, "uncertain").await;
+        eventually(10, || async {
+            listed(&app, biz, "token", token).await.then_some(())
+        })
+        .await;
+    }
 }
 
 /// A consume waiting for the winner (`wait_ms`) answers `uncertain` when the

@@ -36,7 +36,7 @@ async fn waiters_reach(app: &TestApp, n: usize) {
     .await;
 }
 
-/// 500 retries of one token wait on one instance and 20 on another; one
+/// 1,000 retries of one token wait: 980 on one instance and 20 on another; one
 /// result answers every one of them `completed` with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_waiter_on_every_instance_is_answered_by_one_result() {
@@ -51,16 +51,16 @@ async fn every_waiter_on_every_instance_is_answered_by_one_result() {
             (StatusCode::OK, Some("consumed"))
         );
         let (dup_a, dup_b) = (duplicates(&a, biz).await, duplicates(&b, biz).await);
-        let waiting: Vec<_> = (0..520)
+        let waiting: Vec<_> = (0..1000)
             .map(|i| {
-                let app = if i < 500 { a.clone() } else { b.clone() };
+                let app = if i < 980 { a.clone() } else { b.clone() };
                 let token = token.clone();
                 tokio::spawn(async move {
                     consume_waiting(&app, &token, &format!("retry-{i}"), 10_000).await
                 })
             })
             .collect();
-        waiters_reach(&a, 500).await;
+        waiters_reach(&a, 980).await;
         waiters_reach(&b, 20).await;
         let r = a
             .post(
@@ -92,7 +92,7 @@ async fn every_waiter_on_every_instance_is_answered_by_one_result() {
                 duplicates(&a, biz).await - dup_a,
                 duplicates(&b, biz).await - dup_b
             ),
-            (500, 20),
+            (980, 20),
             "{biz}"
         );
     }
