@@ -14,13 +14,15 @@
 //! - [`issuance`]: issuance marks, how far each lease's tokens are known to
 //!   Postgres (the issuer's owed ids, the peers' view of the marks).
 //! - [`fast`]: the Redis tier and its Lua scripts (`fast/`: `conn`, `call`,
-//!   `consume`, `write`, `health`, `journal`, `scan`; scripts in `lua/`).
+//!   `deadline`, `consume`, `write`, `health`, `journal`, `scan`; scripts in
+//!   `lua/`).
 //! - [`health`]: Redis's breaker, latency window and the mode (normal, degraded, redis_down).
 //! - [`durable`]: the Postgres tier: pools, migrations, every SQL statement
 //!   (`durable/`: `tokens`, `orders`, `journal`, `admin`, `reconcile`, ...;
 //!   `group`: the group-commit queue; `batch`: durable consumes in batches).
 //! - [`ledger`]: issue, consume, result, release: the only module using both tiers
-//!   (`ledger/`: `core`, `issue`, `consume`, `degraded`, `orders`, `result`, `api`).
+//!   (`ledger/`: `core`, `issue`, `consume`, `degraded`, `orders`, `result`,
+//!   `keys`, `read`, `settle`, `wait`, `lease`, `api`).
 //! - [`orders`]: orders and their events, each consuming its token through the
 //!   ledger in the order's transaction (`orders/batch.rs`: events on
 //!   different orders in one transaction, over the same group-commit queue).
