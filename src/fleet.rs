@@ -77,6 +77,9 @@ pub struct View {
     pub epoch: i64,
     pub members: i64,
     pub redis_down_members: i64,
+    /// Silent members whose last report said Redis was up, not retired yet
+    /// (the fleet does not turn `redis_down` while any is left).
+    pub unaccounted: i64,
     /// This instance's last committed report said Redis was up.
     pub reported_up: bool,
     /// When that report began (`None`: no report yet).
@@ -96,6 +99,7 @@ struct FleetMetrics {
     state: IntGaugeVec,
     members: IntGauge,
     redis_down_members: IntGauge,
+    unaccounted: IntGauge,
     reports: IntCounterVec,
     episodes: IntCounterVec,
 }
@@ -120,6 +124,11 @@ impl FleetMetrics {
             "Of those, how many reported Redis down.",
         )
         .expect("valid metric");
+        let unaccounted = IntGauge::new(
+            "ledger_fleet_unaccounted_members",
+            "Members silent for longer than the member timeout whose last report said Redis was up, at this instance's last report: their Redis decisions may be only in the journal, so the fleet cannot turn redis_down until a member that reaches Redis retires them.",
+        )
+        .expect("valid metric");
         let reports = IntCounterVec::new(
             Opts::new(
                 "ledger_fleet_reports_total",
@@ -140,6 +149,7 @@ impl FleetMetrics {
             Box::new(state.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(members.clone()),
             Box::new(redis_down_members.clone()),
+            Box::new(unaccounted.clone()),
             Box::new(reports.clone()),
             Box::new(episodes.clone()),
         ] {
@@ -156,6 +166,7 @@ impl FleetMetrics {
             state,
             members,
             redis_down_members,
+            unaccounted,
             reports,
             episodes,
         }
@@ -169,6 +180,7 @@ impl FleetMetrics {
         }
         self.members.set(v.members);
         self.redis_down_members.set(v.redis_down_members);
+        self.unaccounted.set(v.unaccounted);
     }
 }
 
@@ -247,6 +259,7 @@ impl Fleet {
             epoch: 0,
             members: 0,
             redis_down_members: 0,
+            unaccounted: 0,
             reported_up: false,
             confirmed: None,
             pg_failing: false,
@@ -376,8 +389,16 @@ impl Fleet {
                 _ = shutdown.cancelled() => break,
             }
         }
+        // Leaving: the gate closes and this instance's Redis decisions not
+        // known to be in Postgres go there first, as when going down; else
+        // the peers keep waiting for this member until one of them sees
+        // the journal empty.
+        if !self.go_down().await {
+            tracing::warn!("could not write this instance's recent redis decisions to postgres: the fleet keeps waiting for it until the journal drains");
+            return;
+        }
         if let Err(e) = self.bounded(store::leave(&self.pool, self.instance)).await {
-            tracing::warn!(error = %e, "could not leave the fleet: peers wait out the member timeout");
+            tracing::warn!(error = %e, "could not leave the fleet: peers wait for this member until the journal drains");
         }
     }
 
@@ -450,14 +471,40 @@ impl Fleet {
             epoch: r.epoch,
             members: r.members,
             redis_down_members: r.redis_down_members,
+            unaccounted: r.unaccounted,
             reported_up: up,
             confirmed: Some(started),
             pg_failing: false,
         };
         self.metrics.show(&view);
         self.view.send_replace(view);
+        if up && r.unaccounted > 0 {
+            self.retire_silent(&r).await;
+        }
         if up && r.state == FleetState::RedisDown {
             self.end_episode(r.epoch, started).await;
+        }
+    }
+
+    /// Retires the silent members `r` found unaccounted for, once the
+    /// journal is seen empty after that report: their decisions are then
+    /// in Postgres (see [`store::retire`]).
+    async fn retire_silent(&self, r: &store::Report) {
+        let drained =
+            self.fast.journal_backlog_len() == 0 && matches!(self.fast.journal_len().await, Ok(0));
+        if !drained {
+            return;
+        }
+        match self
+            .bounded(store::retire(&self.pool, r.at, self.member_timeout))
+            .await
+        {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                members = n,
+                "fleet: silent members retired (the journal holds none of their redis decisions)"
+            ),
+            Err(e) => tracing::debug!(error = %e, "fleet: retiring silent members failed"),
         }
     }
 

@@ -5,10 +5,11 @@
 
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
 
-use super::tokens::{self, ConsumeRow, Existing, TokenRecord};
+use super::tokens::{self, ConsumeRow, Existing, ResultDecided, TokenRecord};
 use super::DurableError;
 
 /// The fleet's state, as recorded in `fleet_state`.
@@ -52,6 +53,13 @@ pub struct Report {
     pub redis_down_members: i64,
     /// This report turned the fleet to `redis_down`.
     pub flipped: bool,
+    /// Members not seen within the member timeout whose last report said
+    /// Redis was up: their Redis decisions may be only in the journal, so
+    /// the fleet does not turn `redis_down` while any is left (see
+    /// [`retire`]).
+    pub unaccounted: i64,
+    /// When the report was counted (Postgres's clock).
+    pub at: DateTime<Utc>,
 }
 
 fn ms(d: Duration) -> i64 {
@@ -72,7 +80,8 @@ pub async fn report(
     // One statement (`fleet_report`, V9): the row lock is never held across
     // a round trip of ours.
     let row = sqlx::query(
-        "SELECT state, epoch, members, redis_down_members, flipped FROM fleet_report($1, $2, $3)",
+        "SELECT state, epoch, members, redis_down_members, flipped, unaccounted, at
+           FROM fleet_report($1, $2, $3)",
     )
     .bind(instance)
     .bind(redis_up)
@@ -85,15 +94,42 @@ pub async fn report(
         members: row.try_get("members")?,
         redis_down_members: row.try_get("redis_down_members")?,
         flipped: row.try_get("flipped")?,
+        unaccounted: row.try_get("unaccounted")?,
+        at: row.try_get("at")?,
     })
 }
 
-/// A member leaving cleanly is no longer waited for; members not seen for
-/// an hour are forgotten.
+/// Retires the members that were unaccounted for at `counted_at` (a
+/// report's time): silent for longer than `member_timeout` then, and last
+/// saying Redis was up. Call it only after seeing the journal empty later
+/// than that report: every decision such a member let Redis make happened
+/// before its lease ran out (and its scripts' not-after bounds passed),
+/// which was before `counted_at`, so its journal entries are in Postgres.
+/// A member that reported since is kept.
+pub async fn retire(
+    pool: &PgPool,
+    counted_at: DateTime<Utc>,
+    member_timeout: Duration,
+) -> Result<u64, DurableError> {
+    let done = sqlx::query(
+        "DELETE FROM fleet_members
+          WHERE redis_up AND seen_at <= $1 - $2 * interval '1 millisecond'",
+    )
+    .bind(counted_at)
+    .bind(ms(member_timeout))
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+/// A member leaving cleanly (after writing its Redis decisions not known
+/// to be in Postgres) is no longer waited for; members that last reported
+/// Redis down and were not seen for an hour are forgotten. One that last
+/// reported Redis up is only ever [`retire`]d.
 pub async fn leave(pool: &PgPool, instance: Uuid) -> Result<(), DurableError> {
     sqlx::query(
         "DELETE FROM fleet_members
-          WHERE instance = $1 OR seen_at < now() - interval '1 hour'",
+          WHERE instance = $1 OR (NOT redis_up AND seen_at < now() - interval '1 hour')",
     )
     .bind(instance)
     .execute(pool)
@@ -159,6 +195,43 @@ async fn queue(
     .execute(conn)
     .await?;
     Ok(())
+}
+
+/// A fast result decided by Postgres while the fleet has Redis down: under
+/// the fleet row's share lock at `epoch`, queued for Redis in the same
+/// transaction, like [`consume_fenced`]. `None`: the fleet is no longer at
+/// that epoch's `redis_down`, nothing was written (Redis decides again, and
+/// may hold a consume Postgres has not heard of yet: its answer is not
+/// Postgres's to give).
+pub async fn set_result_fenced(
+    pool: &PgPool,
+    epoch: i64,
+    id: i64,
+    handle: &str,
+    result: &serde_json::Value,
+    detail: Option<&serde_json::Value>,
+    of_request: Option<&str>,
+) -> Result<Option<ResultDecided>, DurableError> {
+    let mut tx = pool.begin().await?;
+    if !fenced(&mut tx, epoch).await? {
+        return Ok(None);
+    }
+    let row = tokens::set_result_statement(id, result, detail, of_request)
+        .fetch_optional(&mut *tx)
+        .await?;
+    let decided = match row.as_ref().map(tokens::existing).transpose()? {
+        Some(e) => {
+            queue(&mut tx, epoch, id, handle).await?;
+            ResultDecided::Recorded(e)
+        }
+        // Read under the same fence: Postgres's answer while it decides.
+        None => match tokens::find_on(&mut tx, id).await? {
+            Some(e) => ResultDecided::Existing(e),
+            None => ResultDecided::Unknown,
+        },
+    };
+    tx.commit().await?;
+    Ok(Some(decided))
 }
 
 /// Queues a change Postgres made to a fast token or key while the fleet had

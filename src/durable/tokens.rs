@@ -91,6 +91,18 @@ pub async fn find(pool: &PgPool, id: i64) -> Result<Option<Existing>, DurableErr
     Ok(row.as_ref().map(existing).transpose()?)
 }
 
+/// [`find`] on one connection (inside a transaction).
+pub(crate) async fn find_on(
+    conn: &mut sqlx::PgConnection,
+    id: i64,
+) -> Result<Option<Existing>, DurableError> {
+    let row = sqlx::query(SELECT_EXISTING)
+        .bind(id)
+        .fetch_optional(conn)
+        .await?;
+    Ok(row.as_ref().map(existing).transpose()?)
+}
+
 /// A token's state for a read that changes nothing, with Postgres's clock,
 /// which has the last word on expiry (as in the consume statement). One
 /// round trip; `None`: no row (the issuance record is still on its way, or
@@ -288,7 +300,27 @@ pub async fn set_result_versioned(
     of_request: Option<&str>,
 ) -> Result<ResultDecided, DurableError> {
     let row = super::fetch_optional(pool, || {
-        sqlx::query(
+        set_result_statement(id, result, detail, of_request)
+    })
+    .await?;
+    if let Some(r) = row {
+        return Ok(ResultDecided::Recorded(existing(&r)?));
+    }
+    Ok(match find(pool, id).await? {
+        Some(e) => ResultDecided::Existing(e),
+        None => ResultDecided::Unknown,
+    })
+}
+
+/// The statement of [`set_result_versioned`]: a row when it recorded the
+/// result (its audit row in the same statement), none otherwise.
+pub(crate) fn set_result_statement<'q>(
+    id: i64,
+    result: &'q Json,
+    detail: Option<&'q Json>,
+    of_request: Option<&'q str>,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(
         r#"
         WITH upd AS (
             UPDATE tokens SET result = $2, result_at = now()
@@ -312,15 +344,6 @@ pub async fn set_result_versioned(
     .bind(result)
     .bind(detail)
     .bind(of_request)
-    })
-    .await?;
-    if let Some(r) = row {
-        return Ok(ResultDecided::Recorded(existing(&r)?));
-    }
-    Ok(match find(pool, id).await? {
-        Some(e) => ResultDecided::Existing(e),
-        None => ResultDecided::Unknown,
-    })
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -107,18 +107,25 @@ impl Ledger {
     ) -> Result<ResultAnswer, LedgerError> {
         let id = held.record.id;
         let encoded = result.to_string();
-        // Set when Postgres decides a fast type's result because the fleet
-        // has Redis down: the result is queued for Redis at that epoch.
-        let mut fenced = None;
-        let fleet = self.fleet.view();
-        if held.durability == Durability::Fast && fleet.state == FleetState::RedisDown {
-            // Postgres decides while the fleet has Redis down, also here,
-            // where Redis answers: a consumed marker there may be a script's
-            // that ran after its caller gave up on it (see `crate::fleet`),
-            // and a result recorded onto it would carry that caller's
-            // request_id to Postgres with the result's journal entry.
-            fenced = Some(fleet.epoch);
-        } else if held.durability == Durability::Fast {
+        let detail = operator.map(|(by, reason)| serde_json::json!({"by": by, "reason": reason}));
+        if held.durability == Durability::Fast {
+            let fleet = self.fleet.view();
+            if fleet.state == FleetState::RedisDown {
+                // Postgres decides while the fleet has Redis down, also here,
+                // where Redis answers: a consumed marker there may be a
+                // script's that ran after its caller gave up on it (see
+                // `crate::fleet`), and a result recorded onto it would carry
+                // that caller's request_id to Postgres with the result's
+                // journal entry. Fenced: if the episode ended meanwhile,
+                // Redis may hold a consume Postgres has not heard of, and
+                // Redis decides (below).
+                if let Some(row) = self
+                    .result_fenced(held, result, detail.as_ref(), fleet.epoch)
+                    .await?
+                {
+                    return self.result_answer(row, held, result).await;
+                }
+            }
             let mut fields = journal::result_fields_for(&held.record, &encoded);
             if let Some((by, reason)) = operator {
                 fields.push((journal::BY, by.to_owned()));
@@ -147,19 +154,25 @@ impl Ledger {
                 }
                 Ok(FastWrite::NotConsumed) => return Err(LedgerError::NotConsumed),
                 Ok(_) => {} // miss: Postgres
-                Err(e) => match self.fleet.postgres_may_decide().await {
-                    Some(epoch) => fenced = Some(epoch),
-                    None => {
-                        return Err(LedgerError::Unavailable {
+                Err(e) => {
+                    let fenced = match self.fleet.postgres_may_decide().await {
+                        Some(epoch) => {
+                            self.result_fenced(held, result, detail.as_ref(), epoch)
+                                .await?
+                        }
+                        None => None,
+                    };
+                    return match fenced {
+                        Some(row) => self.result_answer(row, held, result).await,
+                        None => Err(LedgerError::Unavailable {
                             what: "redis (unreachable from this instance, and the fleet has not agreed that it is down; retry)",
                             retry_after_secs: 1,
                             source: Some(e.into()),
-                        })
-                    }
-                },
+                        }),
+                    };
+                }
             }
         }
-        let detail = operator.map(|(by, reason)| serde_json::json!({"by": by, "reason": reason}));
         let row = timed(
             &self.metrics,
             "result",
@@ -173,21 +186,45 @@ impl Ledger {
         )
         .await
         .map_err(LedgerError::postgres)?;
+        self.result_answer(row, held, result).await
+    }
+
+    /// A fast type's result decided by Postgres while the fleet has Redis
+    /// down at `epoch` (see [`fleet_store::set_result_fenced`]); `None`:
+    /// the fleet is no longer there.
+    async fn result_fenced(
+        &self,
+        held: &Held,
+        result: &Json,
+        detail: Option<&Json>,
+        epoch: i64,
+    ) -> Result<Option<ResultDecided>, LedgerError> {
+        timed(
+            &self.metrics,
+            "result",
+            self.pools.bounded(fleet_store::set_result_fenced(
+                &self.pools.hot,
+                epoch,
+                held.record.id,
+                &held.handle,
+                result,
+                detail,
+                held.of_request.as_deref(),
+            )),
+        )
+        .await
+        .map_err(LedgerError::postgres)
+    }
+
+    /// The answer to a result Postgres decided.
+    async fn result_answer(
+        &self,
+        row: ResultDecided,
+        held: &Held,
+        result: &Json,
+    ) -> Result<ResultAnswer, LedgerError> {
         match row {
             ResultDecided::Recorded(e) => {
-                if let Some(epoch) = fenced {
-                    // Best effort: a result Redis misses answers `processing`
-                    // until reconcile or the next write brings it.
-                    let _ = self
-                        .pools
-                        .bounded(fleet_store::queue_fenced(
-                            &self.pools.hot,
-                            epoch,
-                            id,
-                            &held.handle,
-                        ))
-                        .await;
-                }
                 self.result_to_redis(&held.handle, &e).await;
                 Ok(ResultAnswer::Recorded)
             }

@@ -648,12 +648,14 @@ async fn an_idle_instances_failed_health_pings_are_evidence_but_not_serving_erro
 }
 
 /// One partition, {instance A + Redis} | {Postgres + instance B}: A can no
-/// longer renew its membership, B no longer reaches Redis, stops counting
-/// A and turns the fleet `redis_down`, and decides fast tokens in
-/// Postgres. A must have stopped deciding in Redis by then (its gate closes
-/// with its lease), so no token is answered `consumed` on both sides. Before
-/// the gate's lease held while Postgres failed, every raced token had two
-/// winners.
+/// longer renew its membership, so its gate closes with its lease; B no
+/// longer reaches Redis and, past the member timeout, no longer counts A.
+/// Before the gate's lease held while Postgres failed, B turned the fleet
+/// `redis_down` and every raced token had two winners. Then, with the
+/// lease (found by the chaos test): the tokens A decided within its lease,
+/// recorded only in Redis's journal, were consumed again by B. The fleet
+/// now turns `redis_down` only when it can account for every member that
+/// last said Redis was up: during this partition neither side decides.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_partition_never_yields_two_deciders_of_a_fast_token() {
     let redis = RedisProc::start();
@@ -691,14 +693,36 @@ async fn a_partition_never_yields_two_deciders_of_a_fast_token() {
     .await;
     wait_fleet(&b, 10, "normal").await;
 
+    // {A + Redis} | {Postgres + B}. A's lease is still valid for a moment:
+    // what it decides then is recorded only in Redis's journal, which B
+    // cannot reach.
     pg_link.cut();
     redis_link.cut();
-    wait_fleet(&b, 20, "redis_down").await;
-
-    let mut both = 0;
+    let (early, rest) = tokens.split_at(10);
     let mut answers = Vec::new();
-    for t in &tokens {
+    let mut a_won = Vec::new();
+    for t in early {
+        let x = consume_on(&a, t).await;
+        if consumed(&x) {
+            a_won.push(t.clone());
+        }
+        answers.push(x);
+    }
+    assert!(
+        !a_won.is_empty(),
+        "A decided nothing within its lease: {answers:?}"
+    );
+    // Past A's member timeout, B no longer counts A as a member; but A's
+    // last report said Redis was up and nobody who reaches Redis has seen
+    // the journal empty since: the fleet cannot account for A's decisions
+    // and must not let Postgres decide.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let mut both = 0;
+    for t in tokens.iter() {
         let (x, y) = tokio::join!(consume_on(&a, t), consume_on(&b, t));
+        if consumed(&y) && a_won.contains(t) {
+            both += 1;
+        }
         if consumed(&x) && consumed(&y) {
             both += 1;
         }
@@ -707,19 +731,30 @@ async fn a_partition_never_yields_two_deciders_of_a_fast_token() {
     }
     assert_200_or_503(&answers);
     assert_eq!(both, 0, "tokens consumed on both sides of the partition");
-    let b_won = answers
-        .iter()
-        .skip(1)
-        .step_by(2)
-        .filter(|s| consumed(s))
-        .count();
-    assert_eq!(
-        b_won,
-        tokens.len(),
-        "the side with Postgres decides every token"
-    );
+    assert_eq!(readyz(&b).await["fleet"]["state"], "normal");
+
+    // Healed: every token is consumed exactly once, A's early winners
+    // answer `duplicate` to anyone else.
     pg_link.open();
     redis_link.open();
+    wait_fleet(&b, 20, "normal").await;
+    let b = &b;
+    for t in &a_won {
+        let y = eventually(20, || async move {
+            let y = consume_on(b, t).await;
+            (y.0 == StatusCode::OK).then_some(y)
+        })
+        .await;
+        assert_eq!(y.1.as_deref(), Some("duplicate"), "{t}");
+    }
+    for t in rest {
+        let y = eventually(20, || async move {
+            let y = consume_on(b, t).await;
+            (y.0 == StatusCode::OK).then_some(y)
+        })
+        .await;
+        assert!(y.1.is_some(), "{y:?}");
+    }
 }
 
 /// Issue 24, item 6: a fast consume whose script is held in a stalled link
@@ -774,4 +809,93 @@ async fn a_script_held_in_a_stalled_link_never_consumes_a_token_released_meanwhi
         consumed(&next),
         "the late script consumed the released token for nobody: {next:?}"
     );
+}
+
+/// Found by the chaos test: an instance whose view still said `redis_down`
+/// after a peer had ended the episode recorded a fast result in Postgres
+/// unfenced. A consume Redis had decided since (its journal entry not yet
+/// in Postgres) was unknown there, and the winner's result was answered 409
+/// `not_consumed`. The result is now decided by Postgres only under the
+/// fleet row's fence at that epoch; past it, Redis decides (here it cannot
+/// be reached from B: 503, retry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_result_on_an_instance_that_has_not_seen_the_episode_end_never_denies_a_winner() {
+    let redis = RedisProc::start();
+    let a_pg = Link::to(suite_pg::port()).await;
+    let b_redis = Link::to(redis.port).await;
+    let stores = Stores::fresh()
+        .with(FAST_TIMEOUT)
+        .with("redis.down_after = \"1s\"\npostgres.acquire_timeout = \"500ms\"");
+    let a = spawn_app_on(
+        stores
+            .clone()
+            .redis(&redis.url())
+            .postgres(&format!("postgres://postgres@127.0.0.1:{}", a_pg.port())),
+    )
+    .await;
+    // B reports every 5 s (and at once when its view of Redis changes).
+    let b = spawn_app_on(
+        stores
+            .clone()
+            .redis(&format!("redis://127.0.0.1:{}", b_redis.port()))
+            .with("fleet.heartbeat = \"5s\"\nfleet.lease = \"10s\""),
+    )
+    .await;
+    let tokens = issue_likes(&a, 1).await;
+    wait_fleet(&a, 10, "normal").await;
+
+    // The whole fleet loses Redis: both report it down, the fleet agrees.
+    redis.pause();
+    wait_fleet(&a, 15, "redis_down").await;
+    wait_fleet(&b, 15, "redis_down").await;
+    // B stays cut off; A sees Redis again and ends the episode. B's view
+    // says `redis_down` until its next report.
+    b_redis.cut();
+    redis.resume();
+    wait_fleet(&a, 15, "normal").await;
+    eventually(10, || async {
+        (readyz(&a).await["fleet"]["redis_decides_here"] == true).then_some(())
+    })
+    .await;
+    assert_eq!(
+        readyz(&b).await["fleet"]["state"],
+        "redis_down",
+        "B reported since the episode ended: the test lost its window"
+    );
+
+    // A decides a consume in Redis; its journal entry cannot reach
+    // Postgres (A's link stalled, B cannot reach Redis to drain it).
+    a_pg.stall();
+    let t = &tokens[0];
+    let won = consume_as(&a, t, "winner").await;
+    assert!(consumed(&won), "{won:?}");
+    let r = b
+        .post(
+            PAYMENTS,
+            &format!("/v1/tokens/{t}/result"),
+            &json!({"subject": "fan", "result": {"ok": true}, "request_id": "winner"}),
+        )
+        .await;
+    let (status, _, body) = answer(r).await;
+    assert_eq!(
+        (status, body["error"].as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, Some("unavailable")),
+        "{body}"
+    );
+
+    // Healed, the winner's result is recorded.
+    a_pg.open();
+    b_redis.open();
+    eventually(20, || async {
+        let r = b
+            .post(
+                PAYMENTS,
+                &format!("/v1/tokens/{t}/result"),
+                &json!({"subject": "fan", "result": {"ok": true}, "request_id": "winner"}),
+            )
+            .await;
+        let (status, _, body) = answer(r).await;
+        (status == StatusCode::OK).then_some(body)
+    })
+    .await;
 }

@@ -6,6 +6,7 @@ mod admin_release;
 mod audit_seal;
 mod bad_input;
 mod batching;
+mod chaos;
 mod cli;
 mod concurrency;
 mod consume;

@@ -514,6 +514,35 @@ impl LedgerProc {
         self.child.as_ref().expect("running").id()
     }
 
+    /// Starts the binary again on the same port and config (after `kill`,
+    /// or after it exited by itself); a running one is killed first.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// Whether the process is still running (not exited, not killed).
+    pub fn is_running(&mut self) -> bool {
+        match self.child.as_mut().map(Child::try_wait) {
+            Some(Ok(None)) => true,
+            Some(_) => {
+                self.child = None;
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// SIGSTOP: frozen, as a paused VM or a stop-the-world stall.
+    pub fn pause(&self) {
+        signal(self.pid(), "STOP");
+    }
+
+    /// SIGCONT.
+    pub fn resume(&self) {
+        signal(self.pid(), "CONT");
+    }
+
     /// Waits at most `within` for the process to exit by itself (after a
     /// SIGTERM, say); its status, `None` if it is still running.
     pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
