@@ -23,6 +23,15 @@
 //!   report that finds every member seen within the member timeout
 //!   (`fleet.lease + redis.timeout + 1s`) reporting down turns the fleet to
 //!   `redis_down` at a new epoch. A fleet of one agrees with itself at once.
+//! - **Accounting.** A member that fell silent (crashed, paused, cut off from
+//!   Postgres) after reporting "Redis up" may have let Redis decide consumes
+//!   that only the journal in Redis records: while any such member is left
+//!   (`unaccounted`), the fleet does not turn `redis_down`. A member that
+//!   reaches Redis retires them once it sees the journal empty after the
+//!   report that found them silent (their leases and their scripts'
+//!   not-after bounds had run out by then, so every decision of theirs is in
+//!   Postgres). A member leaving cleanly writes its own recent decisions to
+//!   Postgres first, as when going down.
 //! - **Coming back.** A member that reaches Redis again while the fleet is
 //!   `redis_down` writes what Postgres decided meanwhile (`redis_resync`, with
 //!   generations) to Redis, then, holding the fleet row exclusively, writes

@@ -899,3 +899,52 @@ async fn a_result_on_an_instance_that_has_not_seen_the_episode_end_never_denies_
     })
     .await;
 }
+
+/// Issue 24, item 3: a Postgres outage, then a Redis outage. With
+/// `fleet.decide_without_postgres`, Redis decides fast consumes through a
+/// Postgres outage and their journal entries wait in Redis. Before going
+/// down, the instance wrote to Postgres only its decisions of the last
+/// 30 s: after a longer Postgres outage, Redis lost before the journal
+/// drained, the fleet decided those tokens again in Postgres. The going-down
+/// flush now covers every decision not seen to reach Postgres.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn decisions_older_than_a_long_postgres_outage_are_flushed_before_redis_is_reported_down() {
+    let redis = RedisProc::start();
+    let pg = PgProc::start();
+    let stores = Stores::fresh()
+        .redis(&redis.url())
+        .postgres(&pg.base())
+        .with(FAST_TIMEOUT)
+        .with("redis.down_after = \"1s\"\npostgres.acquire_timeout = \"500ms\"")
+        .with("fleet.decide_without_postgres = true");
+    let app = &spawn_app_on(stores).await;
+    let tokens = issue_likes(app, 10).await;
+    wait_fleet(app, 10, "normal").await;
+
+    // Postgres down: Redis decides, the journal waits.
+    pg.stop_immediate();
+    for (i, t) in tokens.iter().enumerate() {
+        let x = eventually(10, || async move {
+            let x = consume_as(app, t, &format!("first-{i}")).await;
+            (x.0 == StatusCode::OK).then_some(x)
+        })
+        .await;
+        assert!(consumed(&x), "{x:?}");
+    }
+    // Longer than the old flush's window; then Redis goes before
+    // Postgres is back, so the journal cannot drain.
+    tokio::time::sleep(Duration::from_secs(32)).await;
+    redis.pause();
+    tokio::task::block_in_place(|| pg.start_again());
+    wait_fleet(app, 20, "redis_down").await;
+
+    for (i, t) in tokens.iter().enumerate() {
+        let x = eventually(10, || async move {
+            let x = consume_as(app, t, &format!("second-{i}")).await;
+            (x.0 == StatusCode::OK).then_some(x)
+        })
+        .await;
+        assert_eq!(x.1.as_deref(), Some("duplicate"), "{t}: decided again");
+    }
+    redis.resume();
+}

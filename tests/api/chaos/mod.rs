@@ -8,7 +8,8 @@
 //! `CHAOS_SEED` replays a fault schedule (the seed is printed; the
 //! interleavings of real processes are not replayed), `CHAOS_SECS` sets how
 //! long the nemesis runs (30 s in the suite; see docs/development.md for
-//! the long run).
+//! the long run), `CHAOS_LANES=1` draws one fault at a time of any kind
+//! instead of a lane of link faults beside a lane of process faults.
 
 mod history;
 mod nemesis;
@@ -24,7 +25,7 @@ use serde_json::{json, Value};
 
 use crate::helpers::PAYMENTS;
 use history::{check, Answer, Event, History, Op, Phase, Rows};
-use nemesis::Fleet;
+use nemesis::{Fleet, Lane};
 
 /// The clients' view of the fleet: the instances' addresses, one HTTP
 /// client (each request bounded: a paused instance is a timeout), where
@@ -189,6 +190,13 @@ fn seed() -> u64 {
         .unwrap_or_else(rand::random)
 }
 
+fn lanes() -> usize {
+    std::env::var("CHAOS_LANES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2)
+}
+
 fn chaos_secs() -> u64 {
     std::env::var("CHAOS_SECS")
         .ok()
@@ -250,20 +258,49 @@ async fn under_random_faults_every_token_is_consumed_exactly_once() {
         })
     };
 
-    // The nemesis.
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut schedule = Vec::new();
+    // The nemesis: a lane of link faults beside this one, of processes.
+    let schedule = Arc::new(std::sync::Mutex::new(Vec::new()));
     let end = tokio::time::Instant::now() + Duration::from_secs(secs);
-    while tokio::time::Instant::now() < end {
-        tokio::time::sleep(Duration::from_millis(rng.gen_range(100..1_000))).await;
-        let fault = fleet.draw(&mut rng);
-        let hold = Duration::from_millis(rng.gen_range(200..4_000));
-        schedule.push(format!(
+    let note = |schedule: &std::sync::Mutex<Vec<String>>, fault, hold: Duration| {
+        schedule.lock().expect("schedule").push(format!(
             "{fault:?} at {} ms for {hold:?}",
             clients.began.elapsed().as_millis()
         ));
+    };
+    let (own, links_lane) = if lanes() >= 2 {
+        let links = fleet.links.clone();
+        let schedule = schedule.clone();
+        let began = clients.began;
+        let n = links.len();
+        let lane = tokio::spawn(async move {
+            let mut rng = StdRng::seed_from_u64(seed ^ 0x11);
+            while tokio::time::Instant::now() < end {
+                tokio::time::sleep(Duration::from_millis(rng.gen_range(100..1_000))).await;
+                let fault = nemesis::draw(&mut rng, n, Lane::Links);
+                let hold = Duration::from_millis(rng.gen_range(200..4_000));
+                schedule.lock().expect("schedule").push(format!(
+                    "{fault:?} at {} ms for {hold:?}",
+                    began.elapsed().as_millis()
+                ));
+                nemesis::inflict_on_links(&links, fault, hold).await;
+            }
+        });
+        (Lane::Processes, Some(lane))
+    } else {
+        (Lane::Everything, None)
+    };
+    let mut rng = StdRng::seed_from_u64(seed);
+    while tokio::time::Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(100..1_000))).await;
+        let fault = nemesis::draw(&mut rng, fleet.procs.len(), own);
+        let hold = Duration::from_millis(rng.gen_range(200..4_000));
+        note(&schedule, fault, hold);
         fleet.inflict(fault, hold).await;
     }
+    if let Some(lane) = links_lane {
+        lane.await.expect("links lane");
+    }
+    let schedule = schedule.lock().expect("schedule").clone();
     clients.chaos.store(false, Ordering::Relaxed);
     let issued = issuer.await.expect("issuer");
 
@@ -315,6 +352,12 @@ async fn under_random_faults_every_token_is_consumed_exactly_once() {
         "seed {seed}: only {} tokens issued",
         issued.len()
     );
+    if !violations.is_empty() {
+        eprintln!(
+            "chaos: the instances' logs are kept in {} (LEDGER_TEST_LOG sets their level; default warn)",
+            fleet.keep_logs().display()
+        );
+    }
     for v in &violations {
         eprintln!("chaos violation: {v:?}");
         if let Some(t) = v.token() {

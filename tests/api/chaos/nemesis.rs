@@ -1,8 +1,11 @@
 //! The chaos run's processes (one private Postgres, one private Redis,
 //! three service binaries, each linked to each server through its own
-//! proxy) and the nemesis that breaks them at random, one fault at a time,
-//! each healed before the next.
+//! proxy) and the nemesis that breaks them at random: one lane of faults at
+//! a time on the processes, and (with two lanes) another on the links, so
+//! that faults of the two kinds overlap; each fault is healed before its
+//! lane draws the next.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use rand::rngs::StdRng;
@@ -40,18 +43,25 @@ pub enum Fault {
     PauseInstance { at: usize },
 }
 
-/// One instance and its two links.
-pub struct Instance {
-    pub proc: LedgerProc,
-    pub pg_link: Link,
-    pub redis_link: Link,
+/// Which faults a lane draws.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lane {
+    Everything,
+    Links,
+    Processes,
 }
 
-impl Instance {
-    fn link(&self, tier: Tier) -> &Link {
+/// One instance's links to the two servers.
+pub struct Links {
+    pub pg: Link,
+    pub redis: Link,
+}
+
+impl Links {
+    fn to(&self, tier: Tier) -> &Link {
         match tier {
-            Tier::Postgres => &self.pg_link,
-            Tier::Redis => &self.redis_link,
+            Tier::Postgres => &self.pg,
+            Tier::Redis => &self.redis,
         }
     }
 }
@@ -62,8 +72,74 @@ pub struct Fleet {
     pub redis: RedisProc,
     pub db: String,
     pub prefix: String,
-    pub instances: Vec<Instance>,
+    pub procs: Vec<LedgerProc>,
+    /// Each instance's links, shared with the links' lane.
+    pub links: Arc<Vec<Links>>,
     _dir: tempfile::TempDir,
+}
+
+/// Draws a fault for `lane` among `n` instances.
+pub fn draw(rng: &mut StdRng, n: usize, lane: Lane) -> Fault {
+    let at = rng.gen_range(0..n);
+    let tier = if rng.gen_bool(0.5) {
+        Tier::Postgres
+    } else {
+        Tier::Redis
+    };
+    let links = [
+        Fault::StallLink { at, tier },
+        Fault::CutLink { at, tier },
+        Fault::Partition { at },
+    ];
+    let procs = [
+        Fault::PauseRedis,
+        Fault::TerminateBackends,
+        Fault::RestartPostgres,
+        Fault::KillInstance { at },
+        Fault::PauseInstance { at },
+    ];
+    match lane {
+        Lane::Links => links[rng.gen_range(0..links.len())],
+        Lane::Processes => procs[rng.gen_range(0..procs.len())],
+        Lane::Everything => {
+            let i = rng.gen_range(0..links.len() + procs.len());
+            links
+                .get(i)
+                .copied()
+                .unwrap_or_else(|| procs[i - links.len()])
+        }
+    }
+}
+
+/// Applies a fault of the links, holds it for `hold`, heals it.
+pub async fn inflict_on_links(links: &[Links], fault: Fault, hold: Duration) {
+    match fault {
+        Fault::StallLink { at, tier } => {
+            links[at].to(tier).stall();
+            tokio::time::sleep(hold).await;
+            links[at].to(tier).open();
+        }
+        Fault::CutLink { at, tier } => {
+            links[at].to(tier).cut();
+            tokio::time::sleep(hold).await;
+            links[at].to(tier).open();
+        }
+        Fault::Partition { at } => {
+            for (i, l) in links.iter().enumerate() {
+                if i == at {
+                    l.pg.cut();
+                } else {
+                    l.redis.cut();
+                }
+            }
+            tokio::time::sleep(hold).await;
+            for l in links {
+                l.pg.open();
+                l.redis.open();
+            }
+        }
+        _ => {}
+    }
 }
 
 fn config(db_url: &str, redis_url: &str, prefix: &str) -> String {
@@ -99,7 +175,8 @@ impl Fleet {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = "chaos".to_owned();
         let prefix = "chaos:".to_owned();
-        let mut instances: Vec<Instance> = Vec::with_capacity(n);
+        let mut procs = Vec::with_capacity(n);
+        let mut links = Vec::with_capacity(n);
         for i in 0..n {
             let pg_link = Link::to(pg.port).await;
             let redis_link = Link::to(redis.port).await;
@@ -110,10 +187,10 @@ impl Fleet {
             );
             let mut proc = LedgerProc::start(dir.path(), &format!("i{i}"), &cfg);
             proc.wait_ready().await;
-            instances.push(Instance {
-                proc,
-                pg_link,
-                redis_link,
+            procs.push(proc);
+            links.push(Links {
+                pg: pg_link,
+                redis: redis_link,
             });
         }
         Fleet {
@@ -121,13 +198,22 @@ impl Fleet {
             redis,
             db,
             prefix,
-            instances,
+            procs,
+            links: Arc::new(links),
             _dir: dir,
         }
     }
 
+    /// Keeps the instances' logs (and configs) after the run; their
+    /// directory.
+    pub fn keep_logs(&mut self) -> std::path::PathBuf {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let kept = std::mem::replace(&mut self._dir, dir);
+        kept.keep()
+    }
+
     pub fn addresses(&self) -> Vec<String> {
-        self.instances.iter().map(|i| i.proc.address()).collect()
+        self.procs.iter().map(LedgerProc::address).collect()
     }
 
     /// A direct URL of the database (no link).
@@ -135,56 +221,11 @@ impl Fleet {
         format!("{}/{}", self.pg.base(), self.db)
     }
 
-    /// Draws a fault.
-    pub fn draw(&self, rng: &mut StdRng) -> Fault {
-        let at = rng.gen_range(0..self.instances.len());
-        let tier = if rng.gen_bool(0.5) {
-            Tier::Postgres
-        } else {
-            Tier::Redis
-        };
-        match rng.gen_range(0..9) {
-            0 => Fault::StallLink { at, tier },
-            1 => Fault::CutLink { at, tier },
-            2 => Fault::Partition { at },
-            3 => Fault::PauseRedis,
-            4 => Fault::TerminateBackends,
-            5 => Fault::RestartPostgres,
-            6 => Fault::KillInstance { at },
-            7 => Fault::PauseInstance { at },
-            _ => Fault::StallLink {
-                at,
-                tier: Tier::Redis,
-            },
-        }
-    }
-
     /// Applies `fault`, holds it for `hold`, heals it.
     pub async fn inflict(&mut self, fault: Fault, hold: Duration) {
         match fault {
-            Fault::StallLink { at, tier } => {
-                self.instances[at].link(tier).stall();
-                tokio::time::sleep(hold).await;
-                self.instances[at].link(tier).open();
-            }
-            Fault::CutLink { at, tier } => {
-                self.instances[at].link(tier).cut();
-                tokio::time::sleep(hold).await;
-                self.instances[at].link(tier).open();
-            }
-            Fault::Partition { at } => {
-                for (i, inst) in self.instances.iter().enumerate() {
-                    if i == at {
-                        inst.pg_link.cut();
-                    } else {
-                        inst.redis_link.cut();
-                    }
-                }
-                tokio::time::sleep(hold).await;
-                for inst in &self.instances {
-                    inst.pg_link.open();
-                    inst.redis_link.open();
-                }
+            Fault::StallLink { .. } | Fault::CutLink { .. } | Fault::Partition { .. } => {
+                inflict_on_links(&self.links, fault, hold).await;
             }
             Fault::PauseRedis => {
                 self.redis.pause();
@@ -209,12 +250,12 @@ impl Fleet {
                 tokio::task::block_in_place(|| self.pg.start_again());
             }
             Fault::KillInstance { at } => {
-                self.instances[at].proc.kill();
+                self.procs[at].kill();
                 tokio::time::sleep(hold).await;
-                self.instances[at].proc.restart();
+                self.procs[at].restart();
             }
             Fault::PauseInstance { at } => {
-                let p = &mut self.instances[at].proc;
+                let p = &mut self.procs[at];
                 if p.is_running() {
                     p.pause();
                     tokio::time::sleep(hold).await;
@@ -228,17 +269,19 @@ impl Fleet {
     /// running and answering `/healthz` (restarted if it exited).
     pub async fn heal(&mut self) {
         self.redis.resume();
-        for inst in &mut self.instances {
-            inst.pg_link.open();
-            inst.redis_link.open();
-            if inst.proc.is_running() {
-                inst.proc.resume();
+        for l in self.links.iter() {
+            l.pg.open();
+            l.redis.open();
+        }
+        for p in &mut self.procs {
+            if p.is_running() {
+                p.resume();
             } else {
-                inst.proc.restart();
+                p.restart();
             }
         }
-        for inst in &mut self.instances {
-            inst.proc.wait_ready().await;
+        for p in &mut self.procs {
+            p.wait_ready().await;
         }
     }
 
@@ -248,15 +291,12 @@ impl Fleet {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         loop {
             let mut settled = true;
-            for inst in &self.instances {
-                let body: Option<serde_json::Value> = match http
-                    .get(format!("{}/readyz", inst.proc.address()))
-                    .send()
-                    .await
-                {
-                    Ok(r) => r.json().await.ok(),
-                    Err(_) => None,
-                };
+            for p in &self.procs {
+                let body: Option<serde_json::Value> =
+                    match http.get(format!("{}/readyz", p.address())).send().await {
+                        Ok(r) => r.json().await.ok(),
+                        Err(_) => None,
+                    };
                 let normal = body.is_some_and(|b| {
                     b["fleet"]["state"] == "normal" && b["fleet"]["redis_decides_here"] == true
                 });

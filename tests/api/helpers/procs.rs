@@ -468,7 +468,10 @@ impl LedgerProc {
             .arg("--config")
             .arg(&self.config)
             .arg("serve")
-            .env("RUST_LOG", "warn")
+            .env(
+                "RUST_LOG",
+                std::env::var("LEDGER_TEST_LOG").unwrap_or_else(|_| "warn".to_owned()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(log))
