@@ -131,7 +131,14 @@ impl Ledger {
                 fields.push((journal::BY, by.to_owned()));
                 fields.push((journal::REASON, reason.to_owned()));
             }
-            match self
+            // Redis decides only through this instance's gate, as for a
+            // consume: with the gate closed, Redis may not be the decider
+            // (the fleet may have turned `redis_down` without this instance
+            // hearing of it), and its marker may not know the consume.
+            let Some(gate) = self.fleet.redis_may_decide() else {
+                return self.result_without_redis(held, result, detail, None).await;
+            };
+            let reply = self
                 .fast
                 .fast_write(
                     &held.handle,
@@ -140,8 +147,17 @@ impl Ledger {
                     held.of_request.as_deref(),
                     &fields,
                 )
-                .await
-            {
+                .await;
+            let in_time = gate.still_held();
+            drop(gate);
+            if !in_time && !matches!(reply, Err(FastError::Down)) {
+                return Err(LedgerError::Unavailable {
+                    what: "fleet membership ran out during the result (outcome unknown; retry)",
+                    retry_after_secs: 1,
+                    source: None,
+                });
+            }
+            match reply {
                 Ok(FastWrite::Recorded) => return Ok(ResultAnswer::Recorded),
                 Ok(FastWrite::Same) => return Ok(ResultAnswer::AlreadyRecorded),
                 Ok(FastWrite::Conflict(stored)) => {
@@ -155,21 +171,9 @@ impl Ledger {
                 Ok(FastWrite::NotConsumed) => return Err(LedgerError::NotConsumed),
                 Ok(_) => {} // miss: Postgres
                 Err(e) => {
-                    let fenced = match self.fleet.postgres_may_decide().await {
-                        Some(epoch) => {
-                            self.result_fenced(held, result, detail.as_ref(), epoch)
-                                .await?
-                        }
-                        None => None,
-                    };
-                    return match fenced {
-                        Some(row) => self.result_answer(row, held, result).await,
-                        None => Err(LedgerError::Unavailable {
-                            what: "redis (unreachable from this instance, and the fleet has not agreed that it is down; retry)",
-                            retry_after_secs: 1,
-                            source: Some(e.into()),
-                        }),
-                    };
+                    return self
+                        .result_without_redis(held, result, detail, Some(e))
+                        .await
                 }
             }
         }
@@ -187,6 +191,33 @@ impl Ledger {
         .await
         .map_err(LedgerError::postgres)?;
         self.result_answer(row, held, result).await
+    }
+
+    /// A fast type's result when Redis may not decide it here (`cause`: the
+    /// call that failed; `None`: the gate is closed): Postgres decides under
+    /// the fleet's fence if the fleet has Redis down, else 503.
+    async fn result_without_redis(
+        &self,
+        held: &Held,
+        result: &Json,
+        detail: Option<Json>,
+        cause: Option<FastError>,
+    ) -> Result<ResultAnswer, LedgerError> {
+        let fenced = match self.fleet.postgres_may_decide().await {
+            Some(epoch) => {
+                self.result_fenced(held, result, detail.as_ref(), epoch)
+                    .await?
+            }
+            None => None,
+        };
+        match fenced {
+            Some(row) => self.result_answer(row, held, result).await,
+            None => Err(LedgerError::Unavailable {
+                what: "redis may not decide here now (unreachable from this instance, or its fleet membership is not fresh), and the fleet has not agreed that it is down; retry",
+                retry_after_secs: 1,
+                source: cause.map(Into::into),
+            }),
+        }
     }
 
     /// A fast type's result decided by Postgres while the fleet has Redis
@@ -465,7 +496,15 @@ impl Ledger {
         let remaining = expires_at_ms - self.clock.now_ms();
         if held.durability == Durability::Fast {
             let fields = fields.unwrap_or_else(|| journal::release_fields_for(&held.record));
-            match self
+            // Through the gate, as a consume and a result (see above).
+            let Some(gate) = self.fleet.redis_may_decide() else {
+                return Err(LedgerError::Unavailable {
+                    what: "redis may not decide here now (unreachable from this instance, or its fleet membership is not fresh); retry",
+                    retry_after_secs: 1,
+                    source: None,
+                });
+            };
+            let reply = self
                 .fast
                 .fast_write(
                     &held.handle,
@@ -474,8 +513,17 @@ impl Ledger {
                     held.of_request.as_deref(),
                     &fields,
                 )
-                .await
-            {
+                .await;
+            let in_time = gate.still_held();
+            drop(gate);
+            if !in_time && reply.is_ok() {
+                return Err(LedgerError::Unavailable {
+                    what: "fleet membership ran out during the release (outcome unknown; retry)",
+                    retry_after_secs: 1,
+                    source: None,
+                });
+            }
+            match reply {
                 // The journal entry carries the release (and its audit row) to Postgres.
                 Ok(FastWrite::Released) => return Ok(()),
                 Ok(FastWrite::NotReleasable | FastWrite::NotConsumed) => {

@@ -519,3 +519,143 @@ async fn a_batch_that_fails_as_a_whole_answers_each_item_unavailable() {
     .unwrap();
     assert_eq!((once, all), (5, 5));
 }
+
+/// Issue 24, item 8: when the read that follows a committed batch statement
+/// (for items consumed by another transaction the statement's snapshot did
+/// not see) failed, the whole batch failed with it: its winners were
+/// answered 503 (a timeout) or, for an error Postgres raised, decided again
+/// one by one, a winner without a `request_id` told `duplicate`. Either
+/// way a winner never heard it won. Here the read is held behind an
+/// exclusive table lock queued while the statement ran, until its
+/// statement timeout: the batch's winner is still answered `Won`, and only
+/// the item the read should have settled gets an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_whose_follow_up_read_fails_still_answers_its_winner() {
+    use sqlx::Connection;
+    let app = spawn_app().await;
+    let url = app.stores.db_url();
+    let batch_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(
+            url.parse::<sqlx::postgres::PgConnectOptions>()
+                .expect("url")
+                .options([("statement_timeout", "1000")]),
+        )
+        .await
+        .expect("batch pool");
+    let (winner, contended) = (
+        record(9_001, Duration::hours(1)),
+        record(9_002, Duration::hours(1)),
+    );
+
+    // Another transaction holds the contended token's row, consumed but
+    // not committed: the batch statement waits for it.
+    let mut other = sqlx::PgConnection::connect(&url).await.expect("other");
+    sqlx::query("BEGIN")
+        .execute(&mut other)
+        .await
+        .expect("begin");
+    sqlx::query(
+        "INSERT INTO tokens (id, token, biz_type, durability, subject, client, issued_at, expires_at,
+                             state, gen, consumed_at, request_id)
+         VALUES ($1, $2, 'order', 'durable', $3, 'payments', $4, $5, 'consumed', 1, now(), 'r-other')",
+    )
+    .bind(contended.id)
+    .bind(&contended.token)
+    .bind(&contended.subject)
+    .bind(contended.issued_at)
+    .bind(contended.expires_at)
+    .execute(&mut other)
+    .await
+    .expect("held claim");
+
+    let items = [
+        ConsumeItem {
+            record: winner.clone(),
+            fingerprint: None,
+            request_id: None,
+        },
+        ConsumeItem {
+            record: contended.clone(),
+            fingerprint: None,
+            request_id: None,
+        },
+    ];
+    let batch = {
+        let (pool, items) = (batch_pool.clone(), items.clone());
+        tokio::spawn(async move {
+            let refs: Vec<&ConsumeItem> = items.iter().collect();
+            consume_batch(&pool, &refs).await
+        })
+    };
+    // The statement is waiting for the other transaction.
+    let pool = app.pg().await;
+    eventually(10, || {
+        let pool = pool.clone();
+        async move {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE wait_event_type = 'Lock' AND query LIKE '%claim AS%'",
+            )
+            .fetch_one(&pool)
+            .await
+            .ok()?;
+            (n == 1).then_some(())
+        }
+    })
+    .await;
+    // An exclusive lock queued behind it: granted as soon as the statement
+    // ends, so the read after it waits past its timeout.
+    let mut locker = sqlx::PgConnection::connect(&url).await.expect("locker");
+    let lock = tokio::spawn(async move {
+        sqlx::query("BEGIN")
+            .execute(&mut locker)
+            .await
+            .expect("begin");
+        sqlx::query("LOCK TABLE tokens IN ACCESS EXCLUSIVE MODE")
+            .execute(&mut locker)
+            .await
+            .expect("lock");
+        tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+        sqlx::query("COMMIT")
+            .execute(&mut locker)
+            .await
+            .expect("commit");
+    });
+    eventually(10, || {
+        let pool = pool.clone();
+        async move {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE wait_event_type = 'Lock' AND query LIKE 'LOCK TABLE tokens%'",
+            )
+            .fetch_one(&pool)
+            .await
+            .ok()?;
+            (n == 1).then_some(())
+        }
+    })
+    .await;
+    sqlx::query("COMMIT")
+        .execute(&mut other)
+        .await
+        .expect("commit");
+
+    let answers = batch
+        .await
+        .expect("batch task")
+        .expect("the claim statement succeeded");
+    lock.await.expect("lock task");
+    assert!(
+        matches!(answers[0], Ok((ConsumeRow::Won { .. }, 1))),
+        "the winner: {:?}",
+        answers[0]
+    );
+    assert!(answers[1].is_err(), "the unsettled item: {:?}", answers[1]);
+    let state: String = sqlx::query_scalar("SELECT state::text FROM tokens WHERE id = $1")
+        .bind(winner.id)
+        .fetch_one(&pool)
+        .await
+        .expect("row");
+    assert_eq!(state, "consumed");
+}

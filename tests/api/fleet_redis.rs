@@ -948,3 +948,74 @@ async fn decisions_older_than_a_long_postgres_outage_are_flushed_before_redis_is
     }
     redis.resume();
 }
+
+/// Found by the chaos test: results (and releases) of fast types went to
+/// Redis without the gate that consumes pass. An instance that had reported
+/// Redis down and then lost Postgres never heard that the fleet turned
+/// `redis_down`; when it reached Redis again, it recorded a winner's result
+/// there, where the token was still `issued` (Postgres had decided the
+/// consume), and answered the winner 409 `not_consumed`. Results and
+/// releases now pass the same gate: closed here, so 503 (retry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_result_on_an_instance_whose_gate_is_closed_never_goes_to_redis() {
+    let redis = RedisProc::start();
+    let a_redis = Link::to(redis.port).await;
+    let b_redis = Link::to(redis.port).await;
+    let b_pg = Link::to(suite_pg::port()).await;
+    let stores = Stores::fresh()
+        .with(FAST_TIMEOUT)
+        .with("redis.down_after = \"1s\"\npostgres.acquire_timeout = \"500ms\"");
+    let a = &spawn_app_on(
+        stores
+            .clone()
+            .redis(&format!("redis://127.0.0.1:{}", a_redis.port())),
+    )
+    .await;
+    let b = &spawn_app_on(
+        stores
+            .clone()
+            .redis(&format!("redis://127.0.0.1:{}", b_redis.port()))
+            .postgres(&format!("postgres://postgres@127.0.0.1:{}", b_pg.port())),
+    )
+    .await;
+    let t = &issue_likes(a, 1).await[0];
+    wait_fleet(b, 10, "normal").await;
+
+    // B loses Redis and reports it down (the fleet stays normal: A has
+    // it), then loses Postgres: it hears of nothing after.
+    b_redis.cut();
+    eventually(10, || async {
+        let v = readyz(b).await;
+        (v["fleet"]["redis_down_members"] == 1 && v["fleet"]["state"] == "normal").then_some(())
+    })
+    .await;
+    b_pg.stall();
+    // A loses Redis too: the fleet turns `redis_down`, Postgres decides.
+    a_redis.cut();
+    wait_fleet(a, 15, "redis_down").await;
+    let won = eventually(10, || async {
+        let x = consume_as(a, t, "winner").await;
+        (x.0 == StatusCode::OK).then_some(x)
+    })
+    .await;
+    assert!(consumed(&won), "{won:?}");
+
+    // B reaches Redis again, where the token is still `issued`.
+    b_redis.open();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let r = b
+        .post(
+            PAYMENTS,
+            &format!("/v1/tokens/{t}/result"),
+            &json!({"subject": "fan", "result": {"ok": true}, "request_id": "winner"}),
+        )
+        .await;
+    let (status, _, body) = answer(r).await;
+    assert_eq!(
+        (status, body["error"].as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, Some("unavailable")),
+        "{body}"
+    );
+    b_pg.open();
+    a_redis.open();
+}
