@@ -26,7 +26,12 @@ pub enum FastWrite {
     Same,
     Conflict(String),
     NotConsumed,
-    Released,
+    /// Released: issued again at generation `gen`, at `at_ms` (Redis's
+    /// clock), what its journal entry records.
+    Released {
+        gen: i64,
+        at_ms: i64,
+    },
     NotReleasable,
     Miss,
 }
@@ -365,7 +370,10 @@ impl FastTier {
             "same" => FastWrite::Same,
             "conflict" => FastWrite::Conflict(detail),
             "not_consumed" => FastWrite::NotConsumed,
-            "released" => FastWrite::Released,
+            "released" => FastWrite::Released {
+                gen: field(2).parse().unwrap_or(0),
+                at_ms: field(3).parse().unwrap_or(0),
+            },
             "not_releasable" => FastWrite::NotReleasable,
             "miss" => FastWrite::Miss,
             other => {
@@ -375,7 +383,7 @@ impl FastTier {
             }
         };
         if !append
-            && matches!(out, FastWrite::Recorded | FastWrite::Released)
+            && matches!(out, FastWrite::Recorded | FastWrite::Released { .. })
             && !journal.is_empty()
         {
             // Cluster: what the script would have added to the entry.

@@ -346,6 +346,29 @@ impl Ledger {
                 });
             }
         }
+        // A replay of a win (the same request_id, whose first answer may
+        // have been lost, so that no instance recorded the win) is answered
+        // `consumed` as a win is: the going-down flush must cover it too,
+        // and it is answered only while this instance is a member.
+        if let Ok((ScriptOutcome::Consumed(m), version)) = &reply {
+            if attempt.request_id.is_some() && m.request_id.as_deref() == attempt.request_id {
+                let mut entry = journal::consume_fields(
+                    record,
+                    m.request_id.as_deref(),
+                    m.fingerprint.as_deref(),
+                );
+                entry.push((journal::AT, m.at_ms.to_string()));
+                entry.push((journal::GEN, version.gen.to_string()));
+                self.fleet.decided_in_redis(&gate, entry);
+                if !gate.still_held() {
+                    return Err(LedgerError::Unavailable {
+                        what: "fleet membership ran out during the decision (outcome unknown; retry with the same request_id)",
+                        retry_after_secs: 1,
+                        source: None,
+                    });
+                }
+            }
+        }
         drop(gate);
         let redis_now_ms = reply.as_ref().map(|(_, v)| v.now_ms).unwrap_or(0);
         match reply.map(|(outcome, _)| outcome) {

@@ -191,7 +191,7 @@ impl Ledger {
                 .fast_write(&d.handle, "lease_release", arg, None, &fields)
                 .await
             {
-                Ok(FastWrite::Released) => {
+                Ok(FastWrite::Released { .. }) => {
                     released += 1;
                     self.changes.changed(d.id);
                 }

@@ -514,6 +514,14 @@ impl Ledger {
                     &fields,
                 )
                 .await;
+            // A release Redis decided is recorded for the going-down flush,
+            // as a consume is: Postgres must know it before it decides.
+            if let Ok(FastWrite::Released { gen, at_ms }) = &reply {
+                let mut entry = fields.clone();
+                entry.push((journal::GEN, gen.to_string()));
+                entry.push((journal::AT, at_ms.to_string()));
+                self.fleet.decided_in_redis(&gate, entry);
+            }
             let in_time = gate.still_held();
             drop(gate);
             if !in_time && reply.is_ok() {
@@ -525,7 +533,7 @@ impl Ledger {
             }
             match reply {
                 // The journal entry carries the release (and its audit row) to Postgres.
-                Ok(FastWrite::Released) => return Ok(()),
+                Ok(FastWrite::Released { .. }) => return Ok(()),
                 Ok(FastWrite::NotReleasable | FastWrite::NotConsumed) => {
                     return Err(LedgerError::NotReleasable)
                 }
