@@ -358,6 +358,25 @@ impl AuditQuery {
                 "`limit` must be between 1 and {MAX_LIMIT}"
             )));
         }
+        // No value stored in the trail holds a control character (subjects,
+        // biz types, order ids and client names are validated on the way
+        // in), and Postgres refuses a NUL in text outright: such a filter is
+        // the caller's mistake, not a 500.
+        for (name, value) in [
+            ("subject", &self.subject),
+            ("biz_type", &self.biz_type),
+            ("order_id", &self.order_id),
+            ("client", &self.client),
+        ] {
+            if value
+                .as_deref()
+                .is_some_and(|v| v.chars().any(char::is_control))
+            {
+                return Err(AdminError::InvalidRequest(format!(
+                    "`{name}` must not contain control characters"
+                )));
+            }
+        }
         Ok(())
     }
 }

@@ -47,6 +47,12 @@ pub struct Protocol {
     /// the going-down flush. `false` (before): to Redis whenever the
     /// instance's view said `normal` and Redis answered, and never flushed.
     pub releases_through_gate: bool,
+    /// Found by the model (F3). `true` (fix): for `redis.timeout` after a
+    /// release in Redis, nobody consumes the token (`cooling`): a script
+    /// sent before the release passes its not-after bound first. `false`
+    /// (before): a script of a caller that died or gave up, still within
+    /// its deadline, could consume the released token for nobody.
+    pub release_waits_out_scripts: bool,
 }
 
 impl Default for Protocol {
@@ -66,6 +72,7 @@ impl Protocol {
         account_for_silent_members: true,
         flush_replayed_wins: true,
         releases_through_gate: true,
+        release_waits_out_scripts: true,
     };
 
     /// Today's protocol with the fix of issue 24's `item` (2 to 6) undone.
@@ -81,6 +88,7 @@ impl Protocol {
             // The model's own findings, numbered after the review's items.
             11 => p.account_for_silent_members = false,
             12 => p.flush_replayed_wins = false,
+            13 => p.release_waits_out_scripts = false,
             14 => p.releases_through_gate = false,
             _ => {}
         }

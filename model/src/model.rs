@@ -379,7 +379,12 @@ impl ConsumeModel {
     /// `consume.lua` in fast mode.
     fn deliver(&self, s: &mut State, k: usize) {
         let sc = s.scripts.remove(k);
+        let cooling = s.redis.cooling_until[sc.token as usize].is_some_and(|u| s.now <= u);
         let outcome = if sc.bounded && s.now > sc.deadline {
+            Outcome::Late
+        } else if cooling && !s.redis.markers[sc.token as usize].consumed() {
+            // Released moments ago: nobody consumes it yet (`cooling`); a
+            // caller still waiting sends again.
             Outcome::Late
         } else {
             let stale = !s.newest(sc.token).consumed();
@@ -518,6 +523,9 @@ impl ConsumeModel {
                     token: client.token,
                     mark,
                 });
+                if p.release_waits_out_scripts {
+                    s.redis.cooling_until[t] = Some(s.now.saturating_add(self.cfg.timing.timeout));
+                }
                 if p.releases_through_gate {
                     s.insts[i].recent.push(Decision {
                         token: client.token,
@@ -662,6 +670,7 @@ impl ConsumeModel {
             redis: Redis {
                 up: true,
                 markers: vec![Mark::default(); tokens],
+                cooling_until: vec![None; tokens],
                 journal: Vec::new(),
             },
             pg: Pg {

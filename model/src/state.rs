@@ -92,6 +92,9 @@ pub struct Entry {
 pub struct Redis {
     pub up: bool,
     pub markers: Vec<Mark>,
+    /// Per token: until when (tick) a release lets nobody consume it
+    /// (`ca`, consume.lua's `cooling`).
+    pub cooling_until: Vec<Option<u8>>,
     pub journal: Vec<Entry>,
 }
 

@@ -163,33 +163,56 @@ impl FastTier {
         let create_at = create_at.as_str();
         let timeout = self.settings.timeout;
         let deadline = &self.deadline;
-        let reply: Vec<String> = self
-            .call_idempotent(Lane::Serving, "consume", |mut c| async move {
-                let mut inv = evalsha(script, if append { 2 } else { 1 });
-                inv.arg(key);
-                if append {
-                    inv.arg(journal_key);
-                }
-                inv.arg(mode_arg)
-                    .arg(owner)
-                    .arg(provisional_ms)
-                    .arg(attempt.request_id.unwrap_or(""))
-                    .arg(attempt.fingerprint.unwrap_or(""))
-                    .arg(consumed_ttl)
-                    .arg(if append { "1" } else { "0" })
-                    .arg(key_args.subject.unwrap_or(""))
-                    .arg(create_at)
-                    .arg(if key_args.subject_checked { "1" } else { "0" })
-                    // Set at each send: a resend gets its own deadline.
-                    .arg(deadline.arg(timeout));
-                if append {
-                    for (k, v) in journal {
-                        inv.arg(*k).arg(v.as_str());
+        let mut sends = 0;
+        let reply: Vec<String> = loop {
+            sends += 1;
+            let reply: Vec<String> = self
+                .call_idempotent(Lane::Serving, "consume", |mut c| async move {
+                    let mut inv = evalsha(script, if append { 2 } else { 1 });
+                    inv.arg(key);
+                    if append {
+                        inv.arg(journal_key);
                     }
-                }
-                run_script(script, &inv, &mut c).await
-            })
-            .await?;
+                    inv.arg(mode_arg)
+                        .arg(owner)
+                        .arg(provisional_ms)
+                        .arg(attempt.request_id.unwrap_or(""))
+                        .arg(attempt.fingerprint.unwrap_or(""))
+                        .arg(consumed_ttl)
+                        .arg(if append { "1" } else { "0" })
+                        .arg(key_args.subject.unwrap_or(""))
+                        .arg(create_at)
+                        .arg(if key_args.subject_checked { "1" } else { "0" })
+                        // Set at each send: a resend gets its own deadline.
+                        .arg(deadline.arg(timeout));
+                    if append {
+                        for (k, v) in journal {
+                            inv.arg(*k).arg(v.as_str());
+                        }
+                    }
+                    run_script(script, &inv, &mut c).await
+                })
+                .await?;
+            // Released less than the releaser's `redis.timeout` ago (see
+            // `consume.lua`): sent again once that has passed, at most once.
+            if reply.first().map(String::as_str) != Some("cooling") {
+                break reply;
+            }
+            let field = |i: usize| reply.get(i).and_then(|v| v.parse::<i64>().ok());
+            if let Some(redis_now) = field(6) {
+                self.deadline.observe(redis_now);
+            }
+            if sends > 1 {
+                return Err(FastError::Timeout);
+            }
+            let wait = match (field(1), field(6)) {
+                (Some(until), Some(now)) => until.saturating_sub(now).saturating_add(1),
+                _ => 1,
+            };
+            let cap = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
+            let wait = u64::try_from(wait.clamp(1, cap.max(1))).unwrap_or(1);
+            tokio::time::sleep(std::time::Duration::from_millis(wait)).await;
+        };
         let parsed = parse_consume_reply(&reply, self.clock.now_ms());
         let (Ok((_, version)) | Err((_, version))) = &parsed;
         self.deadline.observe(version.now_ms);

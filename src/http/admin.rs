@@ -304,10 +304,18 @@ pub async fn release_key(
 #[derive(Debug, Default, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct AuditParams {
+    /// No control characters (400).
+    #[param(pattern = "^[^\\u0000-\\u001F\\u007F-\\u009F]*$")]
     pub subject: Option<String>,
+    /// No control characters (400).
+    #[param(pattern = "^[^\\u0000-\\u001F\\u007F-\\u009F]*$")]
     pub biz_type: Option<String>,
+    /// No control characters (400).
+    #[param(pattern = "^[^\\u0000-\\u001F\\u007F-\\u009F]*$")]
     pub order_id: Option<String>,
-    /// The acting or owning client's name (the events' `client`).
+    /// The acting or owning client's name (the events' `client`); no
+    /// control characters (400).
+    #[param(pattern = "^[^\\u0000-\\u001F\\u007F-\\u009F]*$")]
     pub client: Option<String>,
     /// An audit kind, e.g. `token.consumed`; repeat it for any of several
     /// (`kind=token.consumed&kind=token.released`).

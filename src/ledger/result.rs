@@ -504,12 +504,16 @@ impl Ledger {
                     source: None,
                 });
             };
+            // For `redis.timeout` after the release nobody consumes the token
+            // (`cooling`): a consume script sent before it, whose caller died
+            // or gave up, passes its not-after bound first.
+            let cool = self.settings.redis.timeout.as_millis();
             let reply = self
                 .fast
                 .fast_write(
                     &held.handle,
                     "release",
-                    remaining.to_string(),
+                    format!("{remaining}:{cool}"),
                     held.of_request.as_deref(),
                     &fields,
                 )

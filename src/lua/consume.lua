@@ -27,6 +27,7 @@
 -- before generations has none, and its state tells it: c 1, otherwise 0),
 -- o owner (the attempt holding a provisional marker, or the one that won a
 -- fast consume), d provisional deadline (ms), at consumed/claimed at (ms),
+-- ca consumable after (ms: set by a release, see `cooling`),
 -- rid, fp, res, sub (a client key's subject, '' for none: kept across
 -- every later state; a key's hash that lacks it, written back from
 -- Postgres, is `unbound` until the service checks the subject). A claim
@@ -52,11 +53,16 @@
 --   unbound     client keys, fast mode: ARGV[8] given, and the hash has no
 --               recorded subject to compare it with (nothing written)
 --   late        it ran after ARGV[11]: nothing read or written
+--   cooling     fast mode: released less than the releaser's redis.timeout
+--               ago (at: until when). A script sent before the release may
+--               still arrive until then, for a caller that died or gave up:
+--               until then nobody consumes it (nothing written); a caller
+--               still waiting sends again after it.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local key = KEYS[1]
 local mode = ARGV[1]
-local h = redis.call('HMGET', key, 's', 'd', 'at', 'rid', 'fp', 'res', 'g', 'o', 'sub')
+local h = redis.call('HMGET', key, 's', 'd', 'at', 'rid', 'fp', 'res', 'g', 'o', 'sub', 'ca')
 local s = h[1]
 local ours = ARGV[2] ~= '' and h[8] == ARGV[2]
 local g = tonumber(h[7])
@@ -95,6 +101,9 @@ end
 if s == 'p' and tonumber(h[2] or '0') > now then
   if ours and mode == 'durable' then return reply('claimed', h[3]) end
   return reply('provisional', h[3], h[4], h[5], '')
+end
+if mode == 'fast' and s == 'i' and h[10] and now <= tonumber(h[10]) then
+  return reply('cooling', h[10])
 end
 if mode == 'peek' then
   if s then return reply('issued') end

@@ -3,7 +3,11 @@
 --
 -- KEYS[1]  the token's hash, KEYS[2] the journal stream
 -- ARGV[1]  'result' | 'release' | 'lease_release'
--- ARGV[2]  result JSON (result) | remaining ttl ms (release) |
+-- ARGV[2]  result JSON (result) | 'ttl_ms' or 'ttl_ms:cool_ms' (release: the
+--          remaining ttl; for cool_ms after it, no consume may take the
+--          token (consume.lua's `cooling`): a consume script sent before the
+--          release, whose caller died or gave up, passes its not-after bound
+--          first, and never consumes the released token for nobody) |
 --          'ttl_ms:gen:lease_ms' (lease_release: a release only of generation
 --          `gen`, and only once its consume is lease_ms old by Redis's clock)
 -- ARGV[3]  '1' to append to the journal stream
@@ -53,6 +57,11 @@ end
 -- release
 if s ~= 'c' or h[2] or h[3] or other then return {'not_releasable', ''} end
 local ttl_arg = ARGV[2]
+local cool = nil
+if ARGV[1] == 'release' then
+  local ttl_s, cool_s = string.match(ARGV[2], '^(%-?%d+):(%d+)$')
+  if ttl_s then ttl_arg, cool = ttl_s, tonumber(cool_s) end
+end
 if ARGV[1] == 'lease_release' then
   local ttl_s, want, lease = string.match(ARGV[2], '^(%-?%d+):(%d+):(%d+)$')
   if not ttl_s then return redis.error_reply('lease_release: bad argument') end
@@ -69,6 +78,7 @@ local ttl = tonumber(ttl_arg)
 redis.call('DEL', key)
 if ttl > 0 then
   redis.call('HSET', key, 's', 'i', 'g', g)
+  if cool then redis.call('HSET', key, 'ca', now + cool) end
   -- A client key stays bound to its subject.
   if h[8] then redis.call('HSET', key, 'sub', h[8]) end
   redis.call('PEXPIRE', key, ttl)

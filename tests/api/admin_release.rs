@@ -51,7 +51,10 @@ async fn released_events(app: &TestApp, token: &str, n: usize) -> Vec<Value> {
 
 #[tokio::test]
 async fn an_operator_frees_a_token_stuck_in_processing_and_it_is_consumable_again() {
-    let app = spawn_app().await;
+    // A fast token released in Redis is consumable again once
+    // `redis.timeout` (2 s in the tests) has passed: longer than `like`'s
+    // default ttl of 3 s leaves once the test's steps are counted.
+    let app = spawn_app_on(Stores::fresh().with("biz.like.ttl = \"60s\"")).await;
     for biz in BIZES {
         let token = app.issue(PAYMENTS, biz, "user-42").await;
         assert_eq!(

@@ -1019,3 +1019,84 @@ async fn a_result_on_an_instance_whose_gate_is_closed_never_goes_to_redis() {
     b_pg.open();
     a_redis.open();
 }
+
+/// Found by the protocol model (F3): a consume script of an instance that
+/// died was still on its way, within its not-after bound, when the
+/// client's retry elsewhere won and released the token; arriving then, it
+/// consumed the released token for nobody (nobody is left to hear it), and
+/// every later consume heard `duplicate`. For `redis.timeout` after a
+/// release nobody consumes the token (`cooling`), so such a script has
+/// passed its bound first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_script_of_an_instance_that_died_never_consumes_a_token_released_meanwhile() {
+    let redis = RedisProc::start();
+    let link = Link::to(redis.port).await;
+    let stores = Stores::fresh()
+        .redis(&redis.url())
+        .with(FAST_TIMEOUT)
+        .with("redis.down_after = \"30s\"");
+    let b = &spawn_app_on(stores.clone()).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut a = LedgerProc::start(
+        dir.path(),
+        "a",
+        &format!(
+            "[postgres]\nurl = \"{}\"\n[redis]\nurl = \"redis://127.0.0.1:{}\"\nkey_prefix = \"{}\"\ntimeout = \"250ms\"\ndown_after = \"30s\"\n[biz.like]\nttl = \"60s\"\nissue_rate = \"100000/s\"\n",
+            stores.db_url(),
+            link.port(),
+            stores.prefix
+        ),
+    );
+    a.wait_ready().await;
+    let http = reqwest::Client::new();
+    let consume_on_a = |t: String, rid: &'static str| {
+        let (http, url) = (
+            http.clone(),
+            format!("{}/v1/tokens/{t}/consume", a.address()),
+        );
+        async move {
+            http.post(url)
+                .bearer_auth(PAYMENTS)
+                .json(&json!({"subject": "fan", "request_id": rid}))
+                .send()
+                .await
+        }
+    };
+    // A has run a script (loaded, and Redis's clock known).
+    let warm = issue_likes(b, 1).await.remove(0);
+    let r = eventually(10, || {
+        let f = consume_on_a(warm.clone(), "warm");
+        async move { f.await.ok().filter(|r| r.status() == StatusCode::OK) }
+    })
+    .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let t = issue_likes(b, 1).await.remove(0);
+
+    // A's script waits in the stalled link; then A dies.
+    link.stall();
+    let gone = tokio::spawn(consume_on_a(t.clone(), "gone"));
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    a.kill();
+    assert!(
+        gone.await.expect("task").is_err(),
+        "A died before answering"
+    );
+    // The client's retry on B wins and releases, well within A's script's
+    // not-after bound; then the link lets A's script through.
+    let won = consume_as(b, &t, "gone").await;
+    assert!(consumed(&won), "{won:?}");
+    let r = b
+        .post(
+            PAYMENTS,
+            &format!("/v1/tokens/{t}/release"),
+            &json!({"subject": "fan", "request_id": "gone"}),
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    link.open();
+
+    // Once A's script is surely through, the released token is still free.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let next = consume_as(b, &t, "next").await;
+    assert!(consumed(&next), "the released token was burned: {next:?}");
+}

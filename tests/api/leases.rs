@@ -157,7 +157,10 @@ async fn a_lease_runs_out_into_uncertain_and_a_late_result_resolves_it() {
 
 #[tokio::test]
 async fn an_operator_resolves_an_uncertain_token_or_key_either_way() {
-    let app = spawn_app_on(Stores::fresh().with(UNCERTAIN)).await;
+    // A fast token released in Redis is consumable again only once
+    // `redis.timeout` (2 s in the tests) has passed: `like` lives longer.
+    // (`UNCERTAIN` ends in `[biz.like]`.)
+    let app = spawn_app_on(Stores::fresh().with(UNCERTAIN).with("ttl = \"60s\"")).await;
     for biz in BIZES {
         // A token, released by an operator: the next consume wins.
         let token = app.issue(PAYMENTS, biz, "u").await;

@@ -19,6 +19,7 @@ mod fleet_redis;
 mod helpers;
 mod idle_connections;
 mod issue;
+mod journal;
 mod keys;
 mod leases;
 mod link;
