@@ -186,11 +186,24 @@ impl Ledger {
             let fields =
                 journal::admin_release_fields_for(&record, "lease", "processing lease ran out");
             let arg = format!("{remaining}:{}:{}", d.gen, lease_ms(lease));
-            match self
+            // Through the fleet's gate, as a client's release, and recorded
+            // for the going-down flush; with the gate closed, the next
+            // sweep tries again.
+            let Some(gate) = self.fleet.redis_may_decide() else {
+                break;
+            };
+            let reply = self
                 .fast
                 .fast_write(&d.handle, "lease_release", arg, None, &fields)
-                .await
-            {
+                .await;
+            if let Ok(FastWrite::Released { gen, at_ms }) = &reply {
+                let mut entry = fields.clone();
+                entry.push((journal::GEN, gen.to_string()));
+                entry.push((journal::AT, at_ms.to_string()));
+                self.fleet.decided_in_redis(&gate, entry);
+            }
+            drop(gate);
+            match reply {
                 Ok(FastWrite::Released { .. }) => {
                     released += 1;
                     self.changes.changed(d.id);
