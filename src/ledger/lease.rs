@@ -185,7 +185,10 @@ impl Ledger {
             };
             let fields =
                 journal::admin_release_fields_for(&record, "lease", "processing lease ran out");
-            let arg = format!("{remaining}:{}:{}", d.gen, lease_ms(lease));
+            // Cooling for `redis.timeout` after it, as a client's release
+            // (see `fast_write.lua`).
+            let cool = self.settings.redis.timeout.as_millis();
+            let arg = format!("{remaining}:{}:{}:{cool}", d.gen, lease_ms(lease));
             // Through the fleet's gate, as a client's release, and recorded
             // for the going-down flush; with the gate closed, the next
             // sweep tries again.

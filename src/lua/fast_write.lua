@@ -8,8 +8,9 @@
 --          token (consume.lua's `cooling`): a consume script sent before the
 --          release, whose caller died or gave up, passes its not-after bound
 --          first, and never consumes the released token for nobody) |
---          'ttl_ms:gen:lease_ms' (lease_release: a release only of generation
---          `gen`, and only once its consume is lease_ms old by Redis's clock)
+--          'ttl_ms:gen:lease_ms[:cool_ms]' (lease_release: a release only of
+--          generation `gen`, and only once its consume is lease_ms old by
+--          Redis's clock; cool_ms as for a release)
 -- ARGV[3]  '1' to append to the journal stream
 -- ARGV[4]  the request_id of the consume this result or release belongs to
 --          ('' any): another consume's holds it: not_consumed / not_releasable
@@ -63,8 +64,9 @@ if ARGV[1] == 'release' then
   if ttl_s then ttl_arg, cool = ttl_s, tonumber(cool_s) end
 end
 if ARGV[1] == 'lease_release' then
-  local ttl_s, want, lease = string.match(ARGV[2], '^(%-?%d+):(%d+):(%d+)$')
+  local ttl_s, want, lease, cool_s = string.match(ARGV[2], '^(%-?%d+):(%d+):(%d+):?(%d*)$')
   if not ttl_s then return redis.error_reply('lease_release: bad argument') end
+  if cool_s ~= '' then cool = tonumber(cool_s) end
   if g ~= tonumber(want) or tonumber(at or '') == nil
      or now - tonumber(at) < tonumber(lease) then
     return {'not_releasable', ''}

@@ -26,6 +26,9 @@ on_lease_expiry = "release"
 [biz.like]
 processing_lease = "1s"
 on_lease_expiry = "release"
+# Released, a fast token cools for `redis.timeout` (2 s in the tests)
+# before it is consumed again: longer than the default ttl of 3 s allows.
+ttl = "60s"
 "#;
 
 const BIZES: [&str; 2] = ["refund", "like"];
