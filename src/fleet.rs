@@ -313,6 +313,11 @@ impl Fleet {
         if !(v.reported_up && v.state == FleetState::Normal && fresh) {
             return None;
         }
+        // A script without a not-after bound could decide any time later,
+        // for a caller long gone: Redis decides only once its clock is known.
+        if !self.fast.knows_redis_time() {
+            return None;
+        }
         let held = self.deciding.try_read().ok()?;
         if self.closing.load(Ordering::SeqCst) || self.recent_full.load(Ordering::SeqCst) {
             return None;
@@ -428,6 +433,9 @@ impl Fleet {
         }
         let up = !self.fast.is_down();
         if up {
+            if !self.fast.knows_redis_time() {
+                self.fast.learn_redis_time().await;
+            }
             self.note_journal_progress().await;
         }
         if !up && !self.go_down().await {

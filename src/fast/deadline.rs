@@ -60,6 +60,12 @@ impl Deadline {
         Some(self.now_ms().saturating_add(timeout).saturating_add(floor))
     }
 
+    /// Whether a reply has told Redis's time: until then scripts carry no
+    /// bound, and Redis must not decide (see `crate::fleet`).
+    pub(super) fn known(&self) -> bool {
+        self.floor_ms.load(Ordering::Relaxed) != i64::MIN
+    }
+
     /// [`Deadline::not_after`] as a script argument (`''`: no bound).
     pub(super) fn arg(&self, timeout: Duration) -> String {
         self.not_after(timeout)

@@ -52,6 +52,30 @@ impl FastTier {
         .is_ok()
     }
 
+    /// Whether this process knows Redis's clock, which every deciding
+    /// script's not-after bound needs (see `deadline`).
+    pub fn knows_redis_time(&self) -> bool {
+        self.deadline.known()
+    }
+
+    /// Asks Redis its time (`TIME`) and notes it for the scripts'
+    /// not-after bounds; `false` when Redis did not answer.
+    pub async fn learn_redis_time(&self) -> bool {
+        let reply = self
+            .call_background("time", |mut c| async move {
+                redis::cmd("TIME").query_async::<(i64, i64)>(&mut c).await
+            })
+            .await;
+        match reply {
+            Ok((secs, micros)) => {
+                self.deadline
+                    .observe(secs.saturating_mul(1000).saturating_add(micros / 1000));
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
     /// `CONFIG GET maxmemory-policy` (standalone only); `None` when unknown.
     pub async fn maxmemory_policy(&self) -> Option<String> {
         if self.cluster {

@@ -1100,3 +1100,48 @@ async fn a_script_of_an_instance_that_died_never_consumes_a_token_released_meanw
     let next = consume_as(b, &t, "next").await;
     assert!(consumed(&next), "the released token was burned: {next:?}");
 }
+
+/// Found in review: an instance's scripts carry a not-after bound only once
+/// a reply has told it Redis's time, so the first fast consume of a fresh
+/// instance went out unbounded. Held in a stalled link past its caller's
+/// 503, past the client's retry elsewhere, its win and release, and past
+/// the release's cooling, it still consumed the released token for
+/// nobody. Redis now decides on an instance only once its clock is known
+/// (the fleet's beat asks `TIME` first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fresh_instance_s_first_script_is_bounded_too() {
+    let redis = RedisProc::start();
+    let link = Link::to(redis.port).await;
+    let stores = Stores::fresh()
+        .with(FAST_TIMEOUT)
+        .with("redis.down_after = \"30s\"");
+    let b = spawn_app_on(stores.clone().redis(&redis.url())).await;
+    // A has never run a deciding script.
+    let a = spawn_app_on(stores.redis(&format!("redis://127.0.0.1:{}", link.port()))).await;
+    wait_fleet(&a, 10, "normal").await;
+    let token = issue_likes(&b, 1).await.remove(0);
+    wait_redis_state(&redis.conn().await, &b.token_key(&token), "i", 5).await;
+
+    link.stall();
+    let held = consume_as(&a, &token, "r-1").await;
+    assert_eq!(held.0, StatusCode::SERVICE_UNAVAILABLE, "{held:?}");
+    let retried = consume_as(&b, &token, "r-1").await;
+    assert!(consumed(&retried), "{retried:?}");
+    let r = b
+        .post(
+            PAYMENTS,
+            &format!("/v1/tokens/{token}/release"),
+            &json!({"subject": "fan", "request_id": "r-1"}),
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    // Past the release's cooling (250 ms), the held script reaches Redis.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    link.open();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let next = consume_as(&b, &token, "r-2").await;
+    assert!(
+        consumed(&next),
+        "the unbounded script consumed the released token for nobody: {next:?}"
+    );
+}
