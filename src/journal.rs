@@ -33,8 +33,9 @@ use entry::{parse, Entry};
 
 use crate::metrics::OnScrape;
 pub use entry::{
-    admin_release_fields_for, consume_fields, release_fields, release_fields_for, result_fields,
-    result_fields_for, AT, BY, CONSUMED_AT, ENTRY, FINGERPRINT, GEN, REASON, REQUEST_ID,
+    admin_release_fields_for, consume_fields, decided, release_fields, release_fields_for,
+    result_fields, result_fields_for, AT, BY, CONSUMED_AT, ENTRY, FINGERPRINT, GEN, REASON,
+    REQUEST_ID,
 };
 use prometheus::IntGauge;
 

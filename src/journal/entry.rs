@@ -50,6 +50,18 @@ fn fields_of(rec: &TokenRecord, packed: String) -> Vec<(&'static str, String)> {
 pub const BY: &str = "by";
 pub const REASON: &str = "reason";
 
+/// A decision's entry as its script completed it: `fields`, with the
+/// generation it decided and the time (Redis's clock, ms) it decided it.
+pub fn decided(
+    mut fields: Vec<(&'static str, String)>,
+    gen: i64,
+    at_ms: i64,
+) -> Vec<(&'static str, String)> {
+    fields.push((AT, at_ms.to_string()));
+    fields.push((GEN, gen.to_string()));
+    fields
+}
+
 /// The journal fields of a fast-type consume.
 pub fn consume_fields(
     rec: &TokenRecord,

@@ -328,10 +328,8 @@ impl Ledger {
             .consume_versioned(&token.text, mode, &attempt, self.provisional_ms(), &fields)
             .await;
         if let Ok((ScriptOutcome::Won { at_ms }, version)) = &reply {
-            let mut entry = fields;
-            entry.push((journal::AT, at_ms.to_string()));
-            entry.push((journal::GEN, version.gen.to_string()));
-            self.fleet.decided_in_redis(&gate, entry);
+            self.fleet
+                .decided_in_redis(&gate, journal::decided(fields, version.gen, *at_ms));
             // The lease is checked again now that the reply is in: a win
             // that outlived this instance's membership (it was paused, the
             // call was slow) may meet a decision the fleet made without it.
@@ -352,14 +350,13 @@ impl Ledger {
         // and it is answered only while this instance is a member.
         if let Ok((ScriptOutcome::Consumed(m), version)) = &reply {
             if attempt.request_id.is_some() && m.request_id.as_deref() == attempt.request_id {
-                let mut entry = journal::consume_fields(
+                let fields = journal::consume_fields(
                     record,
                     m.request_id.as_deref(),
                     m.fingerprint.as_deref(),
                 );
-                entry.push((journal::AT, m.at_ms.to_string()));
-                entry.push((journal::GEN, version.gen.to_string()));
-                self.fleet.decided_in_redis(&gate, entry);
+                self.fleet
+                    .decided_in_redis(&gate, journal::decided(fields, version.gen, m.at_ms));
                 if !gate.still_held() {
                     return Err(LedgerError::Unavailable {
                         what: "fleet membership ran out during the decision (outcome unknown; retry with the same request_id)",

@@ -200,10 +200,8 @@ impl Ledger {
                 .fast_write(&d.handle, "lease_release", arg, None, &fields)
                 .await;
             if let Ok(FastWrite::Released { gen, at_ms }) = &reply {
-                let mut entry = fields.clone();
-                entry.push((journal::GEN, gen.to_string()));
-                entry.push((journal::AT, at_ms.to_string()));
-                self.fleet.decided_in_redis(&gate, entry);
+                self.fleet
+                    .decided_in_redis(&gate, journal::decided(fields.clone(), *gen, *at_ms));
             }
             drop(gate);
             match reply {

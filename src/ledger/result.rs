@@ -521,10 +521,8 @@ impl Ledger {
             // A release Redis decided is recorded for the going-down flush,
             // as a consume is: Postgres must know it before it decides.
             if let Ok(FastWrite::Released { gen, at_ms }) = &reply {
-                let mut entry = fields.clone();
-                entry.push((journal::GEN, gen.to_string()));
-                entry.push((journal::AT, at_ms.to_string()));
-                self.fleet.decided_in_redis(&gate, entry);
+                self.fleet
+                    .decided_in_redis(&gate, journal::decided(fields.clone(), *gen, *at_ms));
             }
             let in_time = gate.still_held();
             drop(gate);
