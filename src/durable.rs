@@ -5,7 +5,8 @@
 //! [`setup`] for database creation, migrations and start-up checks,
 //! [`admin`] for audit queries and stats, [`seal`] for sealed audit
 //! checkpoints, [`reconcile`] for reconciliation,
-//! [`bloom`] for the issued-token filter's channel and load, [`marks`] for
+//! [`bloom`] for the issued-token filter's channel and load, `pg_enum` for
+//! the Postgres enum types, [`marks`] for
 //! the issuance marks, [`usage`] for the pools' use as metrics, [`batch`]
 //! for the group commit of durable consumes, [`group`] for the group-commit
 //! queue it shares with the order events' batcher).
@@ -22,6 +23,7 @@ pub mod lease;
 pub mod leases;
 pub mod marks;
 pub mod orders;
+mod pg_enum;
 pub mod reconcile;
 pub mod seal;
 pub mod setup;

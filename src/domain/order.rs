@@ -7,8 +7,8 @@ use std::fmt;
 
 use super::AuditKind;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, sqlx::Type)]
-#[sqlx(type_name = "order_state", rename_all = "SCREAMING_SNAKE_CASE")]
+/// Stored as the Postgres enum `order_state` (see `durable::pg_enum`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum OrderState {
     Created,
     Paid,

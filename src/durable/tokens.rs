@@ -13,11 +13,22 @@ use super::DurableError;
 use crate::config::Durability;
 use crate::metrics::StatCounts;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::Type)]
-#[sqlx(type_name = "token_state", rename_all = "lowercase")]
+/// A token's row state (Postgres enum `token_state`, see [`super::pg_enum`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TokenState {
     Issued,
     Consumed,
+}
+
+impl TokenState {
+    pub const ALL: [TokenState; 2] = [TokenState::Issued, TokenState::Consumed];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TokenState::Issued => "issued",
+            TokenState::Consumed => "consumed",
+        }
+    }
 }
 
 /// Everything the signed token says, as a row.

@@ -473,7 +473,9 @@ async fn the_background_job_seals_and_the_admin_route_and_the_gauge_show_the_las
     ] {
         assert!(last[field].is_string(), "{field}: {last}");
     }
-    assert!(last["events"].as_i64().is_some_and(|n| n >= 4), "{last}");
+    // The job may have sealed some of the test's events before the others
+    // were written: the last seal holds at least one, up to `max`.
+    assert!(last["events"].as_i64().is_some_and(|n| n >= 1), "{last}");
     assert_eq!(last["digest"].as_str().map(str::len), Some(64));
 
     let seconds = eventually(20, || async {

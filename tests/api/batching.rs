@@ -31,6 +31,7 @@ fn batch_sizes(text: &str, le: &str) -> (f64, f64) {
 /// winning request_id replays, and another request_id is a duplicate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_storm_of_identical_consumes_is_decided_in_batches_each_token_once() {
+    let _heavy = heavy().await;
     let app = Arc::new(
         spawn_app_on(
             Stores::fresh()

@@ -30,12 +30,11 @@ async fn storm(biz: &str) {
                         .await,
                 )
                 .await;
-                (
-                    i,
-                    s,
-                    replayed,
-                    body["outcome"].as_str().unwrap_or("?").to_owned(),
-                )
+                let outcome = match body["outcome"].as_str() {
+                    Some(outcome) => outcome.to_owned(),
+                    None => body.to_string(),
+                };
+                (i, s, replayed, outcome)
             }));
         }
     }
@@ -65,11 +64,13 @@ async fn storm(biz: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn storm_durable() {
+    let _heavy = heavy().await;
     storm("order").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn storm_fast() {
+    let _heavy = heavy().await;
     storm("like").await;
 }
 
@@ -77,6 +78,7 @@ async fn storm_fast() {
 /// without the replay header.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn racing_copies_of_one_request_id() {
+    let _heavy = heavy().await;
     let app = Arc::new(spawn_app().await);
     for round in 0..20 {
         let token = app.issue(PAYMENTS, "order", "u").await;
@@ -116,6 +118,7 @@ async fn racing_copies_of_one_request_id() {
 /// Durable consumes with Redis skipped entirely (Postgres decides alone).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn storm_durable_without_redis() {
+    let _heavy = heavy().await;
     // A Redis URL where nothing listens: every call fails, the breaker opens.
     let stores = Stores::fresh().redis("redis://127.0.0.1:1");
     let app = Arc::new(spawn_app_on(stores).await);

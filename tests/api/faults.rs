@@ -676,6 +676,7 @@ async fn postgres_restarted_behind_idle_connections_fails_no_request() {
 /// instances' bloom filters. What was issued reaches Postgres afterwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_full_issuance_buffer_refuses_issuing_for_every_biz_type() {
+    let _heavy = heavy().await;
     let pg = PgProc::start();
     let app = spawn_app_on(
         Stores::fresh()

@@ -79,6 +79,7 @@ async fn hold_order(
 /// more than one; the consume counters count one `consumed` per order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_storm_of_identical_pays_is_decided_in_batches_each_order_paid_once() {
+    let _heavy = heavy().await;
     let app = Arc::new(spawn_app_on(Stores::fresh().with(ONE_IN_FLIGHT)).await);
     const ORDERS: usize = 60;
     const COPIES: usize = 5;
@@ -173,6 +174,7 @@ async fn a_storm_of_identical_pays_is_decided_in_batches_each_order_paid_once() 
 /// not paid yet / nothing left); every other order is paid once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_pay_and_refunds_racing_on_one_hot_order_serialise_as_a_sequential_model() {
+    let _heavy = heavy().await;
     let app = Arc::new(spawn_app_on(Stores::fresh().with(ONE_IN_FLIGHT)).await);
     const AMOUNT: i64 = 1000;
     create(&app, PAYMENTS, "hot", "h", AMOUNT).await;

@@ -40,6 +40,7 @@ async fn waiters_reach(app: &TestApp, n: usize) {
 /// result answers every one of them `completed` with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_waiter_on_every_instance_is_answered_by_one_result() {
+    let _heavy = heavy().await;
     let stores = Stores::fresh();
     let a = Arc::new(spawn_app_on(stores.clone()).await);
     let b = Arc::new(spawn_app_on(stores).await);

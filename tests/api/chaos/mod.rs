@@ -23,7 +23,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
-use crate::helpers::PAYMENTS;
+use crate::helpers::{heavy, PAYMENTS};
 use history::{check, Answer, Event, History, Op, Phase, Rows};
 use nemesis::{Fleet, Lane};
 
@@ -211,6 +211,7 @@ fn rids(i: usize) -> [String; 2] {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn under_random_faults_every_token_is_consumed_exactly_once() {
+    let _heavy = heavy().await;
     let seed = seed();
     let secs = chaos_secs();
     eprintln!("chaos: seed {seed} for {secs} s (replay the schedule with CHAOS_SEED={seed})");

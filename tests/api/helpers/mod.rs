@@ -28,6 +28,16 @@ pub const REFUNDS: &str = "dev-refunds-key";
 pub const ADMIN: &str = "dev-admin-key";
 pub const AUDITOR: &str = "dev-auditor-key";
 
+/// Tests that load the machine for their whole run (storms of concurrent
+/// requests, a thousand waiters, the chaos run) hold this, so no two of them
+/// run at once: the suite runs more tests than there are cores, and two
+/// storms together can starve a third test's connection acquire past its
+/// timeout. Tests that mostly wait run beside them.
+pub async fn heavy() -> tokio::sync::MutexGuard<'static, ()> {
+    static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    HEAVY.lock().await
+}
+
 /// Where one test's state lives; two apps given the same `Stores` share it.
 #[derive(Debug, Clone)]
 pub struct Stores {

@@ -5,7 +5,8 @@
 //! suite, and the suite does not depend on how it was configured.
 //!
 //! `LEDGER_TEST_POSTGRES=postgres://user@host:port` runs the suite against
-//! that server instead (it then needs `max_connections` of 300 or more).
+//! that server instead (it then needs `max_connections` of 80 per test thread, 690 for the
+//! default 8 threads).
 //!
 //! The server is stopped when the test process exits (an `atexit` hook). A
 //! process killed before that leaves its server running: the next run stops
@@ -15,12 +16,40 @@ use std::sync::OnceLock;
 
 use super::procs::{stop_immediate, PgProc};
 
-/// Connections the suite's server allows: two test threads, each with up to
-/// three in-process instances (pool_size 8 + admin 2 + listeners) and its own
-/// test pools, with room to spare.
-const MAX_CONNECTIONS: u32 = 300;
+/// Connections the suite's server allows per test thread: up to three
+/// instances (pool_size 8 + admin 2 + listeners each) and the test's own
+/// pools, with room to spare.
+const CONNECTIONS_PER_THREAD: u32 = 80;
 const DIR_PREFIX: &str = "ledger-suite-pg-";
 
+/// Connections the suite's server allows: enough for every test thread
+/// (`RUST_TEST_THREADS`, set in `.cargo/config.toml`) at once.
+fn max_connections() -> u32 {
+    let threads = std::env::var("RUST_TEST_THREADS")
+        .ok()
+        .and_then(|t| t.parse::<u32>().ok())
+        .unwrap_or(8)
+        .clamp(2, 32);
+    CONNECTIONS_PER_THREAD * threads + 50
+}
+
+/// Raises this process's soft limit on open files to its hard limit: the
+/// suite's instances, links and pools open thousands at once, more than
+/// a shell's usual soft limit of 1024.
+fn raise_open_files_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: both calls only read or write the struct passed in.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
+        {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
+    }
+}
 static SUITE: OnceLock<Suite> = OnceLock::new();
 
 enum Suite {
@@ -49,6 +78,7 @@ pub fn port() -> u16 {
 
 fn suite() -> &'static Suite {
     SUITE.get_or_init(|| {
+        raise_open_files_limit();
         if let Ok(base) = std::env::var("LEDGER_TEST_POSTGRES") {
             return Suite::Given(base.trim_end_matches('/').to_owned());
         }
@@ -59,7 +89,7 @@ fn suite() -> &'static Suite {
             .expect("a directory for the suite's Postgres");
         std::fs::write(dir.path().join("owner.pid"), std::process::id().to_string())
             .expect("owner pid written");
-        let pg = PgProc::start_in(dir, MAX_CONNECTIONS);
+        let pg = PgProc::start_in(dir, max_connections());
         // SAFETY: `stop_at_exit` is a plain `extern "C" fn()` that touches
         // only this static; registering it has no other precondition.
         unsafe { libc::atexit(stop_at_exit) };
