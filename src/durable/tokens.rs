@@ -13,7 +13,7 @@ use super::DurableError;
 use crate::config::Durability;
 use crate::metrics::StatCounts;
 
-/// A token's row state (Postgres enum `token_state`, see [`super::pg_enum`]).
+/// A token's row state (Postgres enum `token_state`, see `durable::pg_enum`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TokenState {
     Issued,

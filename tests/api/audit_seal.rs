@@ -474,8 +474,23 @@ async fn the_background_job_seals_and_the_admin_route_and_the_gauge_show_the_las
         assert!(last[field].is_string(), "{field}: {last}");
     }
     // The job may have sealed some of the test's events before the others
-    // were written: the last seal holds at least one, up to `max`.
+    // were written: the last seal holds at least one, and the seals
+    // together hold every event up to it, each once.
     assert!(last["events"].as_i64().is_some_and(|n| n >= 1), "{last}");
+    let sealed_to: i64 = last["last_event_id"]
+        .as_str()
+        .and_then(|id| id.parse().ok())
+        .expect("last_event_id");
+    let (sealed, written): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT sum(events)::bigint FROM audit_checkpoints), \
+                (SELECT count(*) FROM audit_events WHERE id <= $1)",
+    )
+    .bind(sealed_to)
+    .fetch_one(&pg)
+    .await
+    .expect("seal counts");
+    assert_eq!(sealed, written, "{last}");
+    assert!(written >= 4, "{last}");
     assert_eq!(last["digest"].as_str().map(str::len), Some(64));
 
     let seconds = eventually(20, || async {

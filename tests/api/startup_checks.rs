@@ -59,3 +59,48 @@ async fn durable_sessions_commit_synchronously_whatever_the_database_default() {
         .unwrap();
     assert_eq!(plain, "off");
 }
+
+/// The code's states are exactly the migrations' Postgres enums, and each
+/// round-trips: what the service binds is what the column holds, and every
+/// label the column can hold reads back (the mapping is by hand, in
+/// `durable::pg_enum`).
+#[tokio::test]
+async fn every_stored_state_round_trips_through_its_postgres_enum() {
+    use idempotency_ledger::domain::order::OrderState;
+    use idempotency_ledger::durable::tokens::TokenState;
+    let app = spawn_app().await;
+    let pg = app.pg().await;
+
+    let labels: Vec<String> =
+        sqlx::query_scalar("SELECT unnest(enum_range(NULL::token_state))::text")
+            .fetch_all(&pg)
+            .await
+            .expect("token_state labels");
+    assert_eq!(labels, TokenState::ALL.map(|s| s.as_str().to_owned()));
+    for state in TokenState::ALL {
+        let (text, back): (String, TokenState) =
+            sqlx::query_as("SELECT $1::token_state::text, $1::token_state")
+                .bind(state)
+                .fetch_one(&pg)
+                .await
+                .expect("token_state round trip");
+        assert_eq!((text.as_str(), back), (state.as_str(), state));
+    }
+
+    let labels: Vec<String> =
+        sqlx::query_scalar("SELECT unnest(enum_range(NULL::order_state))::text")
+            .fetch_all(&pg)
+            .await
+            .expect("order_state labels");
+    assert_eq!(labels, OrderState::ALL.map(|s| s.as_str().to_owned()));
+    for state in OrderState::ALL {
+        let (text, back): (String, OrderState) =
+            sqlx::query_as("SELECT $1::order_state::text, $1::order_state")
+                .bind(state)
+                .fetch_one(&pg)
+                .await
+                .expect("order_state round trip");
+        assert_eq!((text.as_str(), back), (state.as_str(), state));
+    }
+    app.stop().await;
+}

@@ -22,14 +22,24 @@ use super::procs::{stop_immediate, PgProc};
 const CONNECTIONS_PER_THREAD: u32 = 80;
 const DIR_PREFIX: &str = "ledger-suite-pg-";
 
-/// Connections the suite's server allows: enough for every test thread
-/// (`RUST_TEST_THREADS`, set in `.cargo/config.toml`) at once.
+/// Connections the suite's server allows: enough for every test thread at
+/// once (`--test-threads N`, else `RUST_TEST_THREADS`, which
+/// `.cargo/config.toml` sets to 8).
 fn max_connections() -> u32 {
-    let threads = std::env::var("RUST_TEST_THREADS")
-        .ok()
+    let args: Vec<String> = std::env::args().collect();
+    let from_args =
+        args.iter()
+            .enumerate()
+            .find_map(|(i, a)| match a.strip_prefix("--test-threads") {
+                Some("") => args.get(i + 1).cloned(),
+                Some(rest) => rest.strip_prefix('=').map(str::to_owned),
+                None => None,
+            });
+    let threads = from_args
+        .or_else(|| std::env::var("RUST_TEST_THREADS").ok())
         .and_then(|t| t.parse::<u32>().ok())
         .unwrap_or(8)
-        .clamp(2, 32);
+        .clamp(2, 64);
     CONNECTIONS_PER_THREAD * threads + 50
 }
 
