@@ -5,8 +5,8 @@
 //! suite, and the suite does not depend on how it was configured.
 //!
 //! `LEDGER_TEST_POSTGRES=postgres://user@host:port` runs the suite against
-//! that server instead (it then needs `max_connections` of 80 per test thread, 690 for the
-//! default 8 threads).
+//! that server instead (it then needs `max_connections` of 80 per test
+//! thread).
 //!
 //! The server is stopped when the test process exits (an `atexit` hook). A
 //! process killed before that leaves its server running: the next run stops
@@ -23,8 +23,7 @@ const CONNECTIONS_PER_THREAD: u32 = 80;
 const DIR_PREFIX: &str = "ledger-suite-pg-";
 
 /// Connections the suite's server allows: enough for every test thread at
-/// once (`--test-threads N`, else `RUST_TEST_THREADS`, which
-/// `.cargo/config.toml` sets to 8).
+/// once (`--test-threads N`, else `RUST_TEST_THREADS`, else room for 8).
 fn max_connections() -> u32 {
     let args: Vec<String> = std::env::args().collect();
     let from_args =
