@@ -20,9 +20,10 @@
 //! - [`durable`]: the Postgres tier: pools, migrations, every SQL statement
 //!   (`durable/`: `tokens`, `orders`, `journal`, `admin`, `reconcile`, ...;
 //!   `group`: the group-commit queue; `batch`: durable consumes in batches).
-//! - [`ledger`]: issue, consume, result, release: the only module using both tiers
-//!   (`ledger/`: `core`, `issue`, `consume`, `degraded`, `orders`, `result`,
-//!   `keys`, `read`, `settle`, `wait`, `lease`, `api`).
+//! - [`ledger`]: issue, consume, result, release: the payment path over both
+//!   tiers, one consume for tokens and keys (`ledger/`: `core`, `issue`,
+//!   `held`, `consume`, `degraded`, `orders`, `result`, `keys`, `read`,
+//!   `settle`, `wait`, `lease`, `api`).
 //! - [`orders`]: orders and their events, each consuming its token through the
 //!   ledger in the order's transaction (`orders/batch.rs`: events on
 //!   different orders in one transaction, over the same group-commit queue).

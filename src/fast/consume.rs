@@ -26,6 +26,92 @@ pub enum ScriptOutcome {
     Unbound,
 }
 
+/// A durable claim's reply ([`FastTier::claim`]): Redis never decides a
+/// durable consume, it only holds the attempt's place while Postgres does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// Our provisional marker is set; Postgres decides.
+    Claimed,
+    /// Consumed before (the marker may be stale: Postgres is the record).
+    Consumed(Marker),
+    /// Another attempt holds a live provisional marker.
+    Provisional(Marker),
+}
+
+/// A fast consume's reply ([`FastTier::decide`]): Redis decides.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Consumed now (journal appended), or a resend of our own win.
+    Won { at_ms: i64 },
+    /// Consumed before.
+    Consumed(Marker),
+    /// Another attempt holds a live provisional marker (a durable claim).
+    Provisional(Marker),
+    /// No key: Redis lost it, it expired, or it was never seeded.
+    Miss,
+    /// A client key bound to another subject (see [`KeyArgs`]).
+    Mismatch,
+    /// A client key whose hash records no subject to check the call's
+    /// against: nothing was written (see [`KeyArgs`]).
+    Unbound,
+}
+
+/// A look at a key that writes nothing ([`FastTier::peek`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Peek {
+    Consumed(Marker),
+    Provisional(Marker),
+    /// Live and unconsumed.
+    Issued,
+    Miss,
+}
+
+impl ScriptOutcome {
+    fn refused(&self, op: &str) -> FastError {
+        FastError::Protocol(format!("the consume script ({op}) answered {self:?}"))
+    }
+}
+
+impl TryFrom<ScriptOutcome> for Claim {
+    type Error = FastError;
+    fn try_from(o: ScriptOutcome) -> Result<Claim, FastError> {
+        match o {
+            ScriptOutcome::Claimed => Ok(Claim::Claimed),
+            ScriptOutcome::Consumed(m) => Ok(Claim::Consumed(m)),
+            ScriptOutcome::Provisional(m) => Ok(Claim::Provisional(m)),
+            other => Err(other.refused("claim")),
+        }
+    }
+}
+
+impl TryFrom<ScriptOutcome> for Decision {
+    type Error = FastError;
+    fn try_from(o: ScriptOutcome) -> Result<Decision, FastError> {
+        match o {
+            ScriptOutcome::Won { at_ms } => Ok(Decision::Won { at_ms }),
+            ScriptOutcome::Consumed(m) => Ok(Decision::Consumed(m)),
+            ScriptOutcome::Provisional(m) => Ok(Decision::Provisional(m)),
+            ScriptOutcome::Miss => Ok(Decision::Miss),
+            ScriptOutcome::Mismatch => Ok(Decision::Mismatch),
+            ScriptOutcome::Unbound => Ok(Decision::Unbound),
+            other => Err(other.refused("decide")),
+        }
+    }
+}
+
+impl TryFrom<ScriptOutcome> for Peek {
+    type Error = FastError;
+    fn try_from(o: ScriptOutcome) -> Result<Peek, FastError> {
+        match o {
+            ScriptOutcome::Consumed(m) => Ok(Peek::Consumed(m)),
+            ScriptOutcome::Provisional(m) => Ok(Peek::Provisional(m)),
+            ScriptOutcome::Issued => Ok(Peek::Issued),
+            ScriptOutcome::Miss => Ok(Peek::Miss),
+            other => Err(other.refused("peek")),
+        }
+    }
+}
+
 /// What a consume of a client key adds to the script's arguments (fast
 /// mode; see `consume.lua`, ARGV[8] to ARGV[10]). Tokens pass none.
 #[derive(Debug, Clone, Copy, Default)]
@@ -76,7 +162,73 @@ pub struct Attempt<'a> {
 }
 
 impl FastTier {
-    /// Runs the consume script. `journal` holds the journal entry's fields
+    /// A durable attempt's claim on `handle`'s key (a token's text or a
+    /// client key's handle): Postgres decides, Redis holds its place.
+    pub async fn claim(
+        &self,
+        handle: &str,
+        attempt: &Attempt<'_>,
+        provisional_ms: i64,
+    ) -> Result<(Claim, KeyVersion), FastError> {
+        let (o, v) = self
+            .consume_script(
+                handle,
+                ConsumeMode::Durable,
+                attempt,
+                provisional_ms,
+                &[],
+                KeyArgs::default(),
+            )
+            .await?;
+        Ok((Claim::try_from(o)?, v))
+    }
+
+    /// A fast attempt on `handle`'s key: Redis decides, and appends the
+    /// journal entry `journal` with a win.
+    pub async fn decide(
+        &self,
+        handle: &str,
+        attempt: &Attempt<'_>,
+        provisional_ms: i64,
+        journal: &[(&'static str, String)],
+        key: KeyArgs<'_>,
+    ) -> Result<(Decision, KeyVersion), FastError> {
+        let (o, v) = self
+            .consume_script(
+                handle,
+                ConsumeMode::Fast,
+                attempt,
+                provisional_ms,
+                journal,
+                key,
+            )
+            .await?;
+        Ok((Decision::try_from(o)?, v))
+    }
+
+    /// What `handle`'s key holds, written nothing.
+    pub async fn peek(&self, handle: &str) -> Result<(Peek, KeyVersion), FastError> {
+        let attempt = Attempt {
+            owner: "",
+            request_id: None,
+            fingerprint: None,
+        };
+        let (o, v) = self
+            .consume_script(
+                handle,
+                ConsumeMode::Peek,
+                &attempt,
+                0,
+                &[],
+                KeyArgs::default(),
+            )
+            .await?;
+        Ok((Peek::try_from(o)?, v))
+    }
+
+    /// Runs the consume script in any mode and answers its raw outcome
+    /// (the tests' and tools' view; the service uses [`Self::claim`],
+    /// [`Self::decide`] and [`Self::peek`]). `journal` holds the journal entry's fields
     /// (fast mode on a standalone Redis).
     pub async fn consume(
         &self,

@@ -3,9 +3,16 @@
 //! cluster slot). For durable biz types Redis only turns duplicates away and
 //! holds provisional markers; for fast biz types it decides, and appends what
 //! it decided to the journal stream that [`crate::journal`] drains into
-//! Postgres. Every call is bounded by `redis.timeout`; a connection error or a
-//! timeout opens a short circuit breaker so that a dead Redis costs nothing per
-//! request, and every answered call's latency feeds [`crate::health`].
+//! Postgres. A call a request waits on is bounded by `redis.timeout`,
+//! background work by `redis.background_timeout`; only the former are
+//! evidence of health: [`crate::health`] opens the breaker (so that a dead
+//! Redis costs nothing per request) on repeated failures to reach Redis,
+//! never on one timeout, and their latencies make the mode.
+//!
+//! Each operation has its own reply type, so that no caller handles an
+//! answer its operation cannot give: a durable claim ([`Claim`]), a fast
+//! decision ([`Decision`]), a look ([`Peek`]), a fast result
+//! ([`ResultWrite`]) and a fast release ([`ReleaseWrite`]).
 //!
 //! The files:
 //! - `conn`: connections (standalone or cluster, TLS) made lazily and shared;
@@ -38,10 +45,12 @@ mod scan;
 mod slots;
 mod write;
 
-pub use consume::{Attempt, ConsumeMode, KeyArgs, KeyVersion, Marker, ScriptOutcome};
+pub use consume::{
+    Attempt, Claim, ConsumeMode, Decision, KeyArgs, KeyVersion, Marker, Peek, ScriptOutcome,
+};
 pub use journal::{JournalEntry, ReadFrom, GROUP};
 pub use scan::{KeyRead, KeyState, ScanNode};
-pub use write::{ConsumedWrite, FastWrite};
+pub use write::{ConsumedWrite, ReleaseWrite, ResultWrite};
 
 use crate::config::{RedisSettings, RedisTopology};
 use crate::health::Health;

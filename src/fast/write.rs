@@ -20,20 +20,58 @@ pub struct ConsumedWrite {
     pub marker: Marker,
 }
 
+/// A fast result's reply ([`FastTier::write_result`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum FastWrite {
+pub enum ResultWrite {
     Recorded,
+    /// The same result was recorded before.
     Same,
+    /// Another result was recorded before (it is this).
     Conflict(String),
+    /// Not consumed, or consumed by another attempt than the one named.
     NotConsumed,
-    /// Released: issued again at generation `gen`, at `at_ms` (Redis's
-    /// clock), what its journal entry records.
-    Released {
-        gen: i64,
-        at_ms: i64,
-    },
-    NotReleasable,
+    /// Redis does not hold it: Postgres decides.
     Miss,
+}
+
+/// A fast release's reply ([`FastTier::release`],
+/// [`FastTier::lease_release`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReleaseWrite {
+    /// Issued again at generation `gen`, at `at_ms` (Redis's clock), what
+    /// its journal entry records.
+    Released { gen: i64, at_ms: i64 },
+    /// Not consumed, already with a result, consumed by another attempt
+    /// than the one named, or (a lease release) not the generation or not
+    /// yet past its lease by Redis's clock.
+    NotReleasable,
+    /// Redis does not hold it: Postgres decides.
+    Miss,
+}
+
+/// The writes of `fast_write.lua`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WriteOp {
+    Result,
+    Release,
+    LeaseRelease,
+}
+
+impl WriteOp {
+    fn as_str(self) -> &'static str {
+        match self {
+            WriteOp::Result => "result",
+            WriteOp::Release => "release",
+            WriteOp::LeaseRelease => "lease_release",
+        }
+    }
+}
+
+/// What `fast_write.lua` answered, whichever the write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Written {
+    Result(ResultWrite),
+    Release(ReleaseWrite),
 }
 
 /// The error of a pipeline whose replies do not match its commands.
@@ -323,15 +361,91 @@ impl FastTier {
         .await
     }
 
-    /// Result or release of a fast biz type (see `fast_write.lua`).
-    pub async fn fast_write(
+    /// Records a fast type's result (`encoded`, JSON) on `handle`'s key, for
+    /// the consume of `of_request` (any, if `None`), journaled with
+    /// `journal`.
+    pub async fn write_result(
         &self,
-        token: &str,
-        op: &'static str,
+        handle: &str,
+        encoded: String,
+        of_request: Option<&str>,
+        journal: &[(&'static str, String)],
+    ) -> Result<ResultWrite, FastError> {
+        match self
+            .write_script(handle, WriteOp::Result, encoded, of_request, journal)
+            .await?
+        {
+            Written::Result(r) => Ok(r),
+            Written::Release(r) => Err(FastError::Protocol(format!(
+                "fast_write (result) answered {r:?}"
+            ))),
+        }
+    }
+
+    /// Releases a fast type's consumed `handle` (of the consume of
+    /// `of_request`, if named): issued again for `remaining_ms`, and
+    /// consumed by nobody for `redis.timeout` after it (`cooling`, see
+    /// `fast_write.lua`), so a consume script sent before it, whose caller
+    /// died or gave up, passes its not-after bound first.
+    pub async fn release(
+        &self,
+        handle: &str,
+        remaining_ms: i64,
+        of_request: Option<&str>,
+        journal: &[(&'static str, String)],
+    ) -> Result<ReleaseWrite, FastError> {
+        let cool = self.settings.timeout.as_millis();
+        let arg = format!("{remaining_ms}:{cool}");
+        self.release_script(handle, WriteOp::Release, arg, of_request, journal)
+            .await
+    }
+
+    /// A release by the processing lease: only of generation `gen`, and
+    /// only once its consume is `lease_ms` old by Redis's clock; cooling
+    /// as [`Self::release`].
+    pub async fn lease_release(
+        &self,
+        handle: &str,
+        remaining_ms: i64,
+        gen: i64,
+        lease_ms: i64,
+        journal: &[(&'static str, String)],
+    ) -> Result<ReleaseWrite, FastError> {
+        let cool = self.settings.timeout.as_millis();
+        let arg = format!("{remaining_ms}:{gen}:{lease_ms}:{cool}");
+        self.release_script(handle, WriteOp::LeaseRelease, arg, None, journal)
+            .await
+    }
+
+    async fn release_script(
+        &self,
+        handle: &str,
+        op: WriteOp,
         arg: String,
         of_request: Option<&str>,
         journal: &[(&'static str, String)],
-    ) -> Result<FastWrite, FastError> {
+    ) -> Result<ReleaseWrite, FastError> {
+        match self
+            .write_script(handle, op, arg, of_request, journal)
+            .await?
+        {
+            Written::Release(r) => Ok(r),
+            Written::Result(r) => Err(FastError::Protocol(format!(
+                "fast_write ({}) answered {r:?}",
+                op.as_str()
+            ))),
+        }
+    }
+
+    /// Runs `fast_write.lua`.
+    async fn write_script(
+        &self,
+        token: &str,
+        op: WriteOp,
+        arg: String,
+        of_request: Option<&str>,
+        journal: &[(&'static str, String)],
+    ) -> Result<Written, FastError> {
         let of_request = of_request.unwrap_or("");
         let (timeout, deadline) = (self.settings.timeout, &self.deadline);
         let (key, journal_key, arg) = (&self.token_key(token), &self.journal_key(), &arg);
@@ -343,7 +457,7 @@ impl FastTier {
                 if append {
                     inv.key(journal_key);
                 }
-                inv.arg(op)
+                inv.arg(op.as_str())
                     .arg(arg)
                     .arg(if append { "1" } else { "0" })
                     .arg(of_request)
@@ -362,36 +476,41 @@ impl FastTier {
         }
         let kind = reply.first().map(String::as_str).unwrap_or("");
         let detail = field(1);
-        let out = match kind {
+        let is_result = op == WriteOp::Result;
+        let out = match (kind, is_result) {
             // It reached Redis after this call's deadline and wrote nothing
             // (see `deadline`): to a caller still waiting, a timeout.
-            "late" => return Err(FastError::Timeout),
-            "recorded" => FastWrite::Recorded,
-            "same" => FastWrite::Same,
-            "conflict" => FastWrite::Conflict(detail),
-            "not_consumed" => FastWrite::NotConsumed,
-            "released" => FastWrite::Released {
+            ("late", _) => return Err(FastError::Timeout),
+            ("recorded", true) => Written::Result(ResultWrite::Recorded),
+            ("same", true) => Written::Result(ResultWrite::Same),
+            ("conflict", true) => Written::Result(ResultWrite::Conflict(detail)),
+            ("not_consumed", true) => Written::Result(ResultWrite::NotConsumed),
+            ("miss", true) => Written::Result(ResultWrite::Miss),
+            ("released", false) => Written::Release(ReleaseWrite::Released {
                 gen: field(2).parse().unwrap_or(0),
                 at_ms: field(3).parse().unwrap_or(0),
-            },
-            "not_releasable" => FastWrite::NotReleasable,
-            "miss" => FastWrite::Miss,
-            other => {
+            }),
+            ("not_releasable", false) => Written::Release(ReleaseWrite::NotReleasable),
+            ("miss", false) => Written::Release(ReleaseWrite::Miss),
+            (other, _) => {
                 return Err(FastError::Protocol(format!(
-                    "fast_write answered {other:?}"
+                    "fast_write ({}) answered {other:?}",
+                    op.as_str()
                 )))
             }
         };
-        if !append
-            && matches!(out, FastWrite::Recorded | FastWrite::Released { .. })
-            && !journal.is_empty()
-        {
+        let journaled = matches!(
+            out,
+            Written::Result(ResultWrite::Recorded)
+                | Written::Release(ReleaseWrite::Released { .. })
+        );
+        if !append && journaled && !journal.is_empty() {
             // Cluster: what the script would have added to the entry.
             use crate::journal::{AT, CONSUMED_AT, FINGERPRINT, GEN, REQUEST_ID};
             let mut entry = journal.to_vec();
             entry.push((GEN, field(2)));
             entry.push((AT, field(3)));
-            if out == FastWrite::Recorded {
+            if is_result {
                 entry.push((CONSUMED_AT, field(4)));
                 entry.push((REQUEST_ID, field(5)));
                 entry.push((FINGERPRINT, field(6)));

@@ -8,14 +8,16 @@ use chrono::{DateTime, Utc};
 use serde_json::Value as Json;
 
 use super::core::{ms, ms_to_time};
+use super::held::{Held, Of};
 use super::{ConsumeAnswer, ConsumeInput, ConsumeOutcome, DuplicateStatus, Ledger, LedgerError};
 use crate::auth::Client;
 use crate::config::Durability;
 use crate::domain::{Fingerprint, RequestId};
+use crate::durable::keys;
 use crate::durable::tokens::{self, ConsumeRow, Existing, TokenRecord, TokenState};
 use crate::durable::{timed, DurableError};
 use crate::fast::{
-    Attempt, ConsumeMode, ConsumedWrite, FastError, KeyVersion, Marker, ScriptOutcome,
+    Attempt, Claim, ConsumedWrite, Decision, FastError, KeyArgs, KeyVersion, Marker, Peek,
 };
 use crate::journal;
 use crate::token::VerifiedToken;
@@ -96,15 +98,21 @@ impl Ledger {
         let (token, settings) =
             self.authorize(caller, text, &input.subject, input.biz_type.as_ref())?;
         let biz = token.claims.biz_type.clone();
-        let record = self.record_for(&token, settings.durability, caller, &input.subject);
-        let answer = match settings.durability {
-            Durability::Durable => self.consume_durable(&token, &record, input).await,
-            Durability::Fast => self.consume_fast(&token, &record, input).await,
+        let held = Held {
+            handle: token.text.clone(),
+            record: self.record_for(&token, settings.durability, caller, &input.subject),
+            durability: settings.durability,
+            issued_until_ms: token.claims.expires_at_ms(),
+            of_request: None,
         };
+        let of = Of::Token {
+            expired: self.locally_expired(&token),
+        };
+        let answer = self.consume_held(&held, of, input).await;
         tracing::debug!(token = %token.redacted(), outcome = ?answer.as_ref().map(|_| ()), "consume");
         Ok(Look {
             biz,
-            id: record.id,
+            id: held.record.id,
             of_key: false,
             answer,
         })
@@ -209,23 +217,30 @@ impl Ledger {
         }
     }
 
-    async fn consume_durable(
+    /// One consume of a token or a key (the protocol of [`super`], steps 2
+    /// to 4): Postgres decides a durable one, Redis a fast one.
+    pub(super) async fn consume_held<I: Attempted>(
         &self,
-        token: &VerifiedToken,
-        record: &TokenRecord,
-        input: &ConsumeInput,
+        held: &Held,
+        of: Of<'_>,
+        input: &I,
+    ) -> Result<ConsumeAnswer, LedgerError> {
+        match held.durability {
+            Durability::Durable => self.consume_durable(held, of, input).await,
+            Durability::Fast => self.consume_fast(held, of, input).await,
+        }
+    }
+
+    /// A durable consume: Redis claims (or answers a plain duplicate from
+    /// its marker), Postgres decides, Redis learns the decision afterwards.
+    async fn consume_durable<I: Attempted>(
+        &self,
+        held: &Held,
+        of: Of<'_>,
+        input: &I,
     ) -> Result<ConsumeAnswer, LedgerError> {
         let owner = uuid::Uuid::new_v4().simple().to_string();
-        let attempt = Attempt {
-            owner: &owner,
-            request_id: input.request_id.as_ref().map(RequestId::as_str),
-            fingerprint: input.fingerprint.as_ref().map(Fingerprint::as_str),
-        };
-        let mode = if self.locally_expired(token) {
-            ConsumeMode::Peek
-        } else {
-            ConsumeMode::Durable
-        };
+        let attempt = attempt_of(&owner, input);
         let mut claimed = false;
         // A marker's own answer, kept for when Postgres cannot be asked.
         let mut fallback = None;
@@ -235,13 +250,20 @@ impl Ledger {
                 .with_label_values(&["degraded_sample"])
                 .inc();
             Err(FastError::Down)
+        } else if of.expired() {
+            // Past its expiry by our clock: Redis is only looked at.
+            self.fast
+                .peek(&held.handle)
+                .await
+                .map(|(p, v)| (claim_seen(p), v))
         } else {
             self.fast
-                .consume_versioned(&token.text, mode, &attempt, self.provisional_ms(), &[])
+                .claim(&held.handle, &attempt, self.provisional_ms())
                 .await
+                .map(|(c, v)| (Some(c), v))
         };
         match reply {
-            Ok((ScriptOutcome::Consumed(m), version)) => {
+            Ok((Some(Claim::Consumed(m)), version)) if of.markers_answer() => {
                 match self.durable_marker_answer(&m, version, input) {
                     MarkerAnswer::Answer(answer) => return Ok(answer),
                     MarkerAnswer::UnlessPostgresSays(answer) => fallback = Some(answer),
@@ -251,34 +273,24 @@ impl Ledger {
             // Another attempt is in flight. Racing copies of one request id
             // go to Postgres, which decides which copy answers first (the
             // others replay it); see `classify` for the rest.
-            Ok((ScriptOutcome::Provisional(m), _)) => {
+            Ok((Some(Claim::Provisional(m)), _)) if of.markers_answer() => {
                 if let Some(answer) =
                     classify(&Prior::from_marker(&m), input, true, self.clock.now())?
                 {
                     return Ok(answer);
                 }
             }
-            Ok((ScriptOutcome::Claimed, _)) => claimed = true,
-            // Mismatch and Unbound are client keys' answers, never a token's.
-            Ok((
-                ScriptOutcome::Won { .. }
-                | ScriptOutcome::Miss
-                | ScriptOutcome::Issued
-                | ScriptOutcome::Mismatch
-                | ScriptOutcome::Unbound,
-                _,
-            )) => {}
-            Err(FastError::Down) => {}
+            Ok((Some(Claim::Claimed), _)) => claimed = true,
+            Ok(_) | Err(FastError::Down) => {}
             // The script may have run and left a provisional marker: it
             // expires. Postgres decides either way.
             Err(e) => tracing::debug!(error = %e, "redis failed; postgres decides alone"),
         }
-        let row = self.consume_in_postgres(record, &attempt).await;
-        let (row, gen) = match row {
-            Ok(r) => r,
+        let decided = match self.decide_in_postgres(held, of, &attempt).await {
+            Ok(d) => d,
             Err(e) => {
                 if claimed {
-                    self.spawn_unclaim(&token.text, self.remaining_ms(token), owner.clone());
+                    self.spawn_unclaim(&held.handle, self.remaining_of(held), owner.clone());
                 }
                 // Postgres unreachable: a plain duplicate is still answered
                 // from Redis's marker (fail closed: nothing is consumed).
@@ -289,75 +301,79 @@ impl Ledger {
             }
         };
         self.settle_row(
-            &token.text,
-            self.remaining_ms(token),
-            &row,
-            gen,
+            &held.handle,
+            self.remaining_of(held),
+            &decided.row,
+            decided.gen,
             claimed.then_some(owner.clone()),
             &attempt,
         );
-        answer_from_row(&row, input, self.clock.now())
+        self.answer_row(of, &decided.row, decided.subject.as_deref(), input)
     }
 
-    async fn consume_fast(
+    /// A fast consume: Redis decides, through this instance's gate (see
+    /// `crate::fleet`); without it, [`Self::consume_fast_down`].
+    async fn consume_fast<I: Attempted>(
         &self,
-        token: &VerifiedToken,
-        record: &TokenRecord,
-        input: &ConsumeInput,
+        held: &Held,
+        of: Of<'_>,
+        input: &I,
     ) -> Result<ConsumeAnswer, LedgerError> {
-        let attempt = Attempt {
-            owner: "",
-            request_id: input.request_id.as_ref().map(RequestId::as_str),
-            fingerprint: input.fingerprint.as_ref().map(Fingerprint::as_str),
+        let attempt = attempt_of("", input);
+        let fields = journal::consume_fields(&held.record, attempt.request_id, attempt.fingerprint);
+        let mut args = KeyArgs {
+            subject: of.subject(),
+            create_at_gen: None,
+            subject_checked: false,
         };
-        let expired = self.locally_expired(token);
-        let mode = if expired {
-            ConsumeMode::Peek
-        } else {
-            ConsumeMode::Fast
-        };
-        let fields = journal::consume_fields(record, attempt.request_id, attempt.fingerprint);
-        // Redis decides only through this instance's gate (see `crate::fleet`).
-        let Some(gate) = self.fleet.redis_may_decide() else {
-            return self
-                .consume_fast_down(token, record, input, &attempt, expired)
-                .await;
-        };
-        let reply = self
-            .fast
-            .consume_versioned(&token.text, mode, &attempt, self.provisional_ms(), &fields)
-            .await;
-        if let Ok((ScriptOutcome::Won { at_ms }, version)) = &reply {
-            self.fleet
-                .decided_in_redis(&gate, journal::decided(fields, version.gen, *at_ms));
-            // The lease is checked again now that the reply is in: a win
-            // that outlived this instance's membership (it was paused, the
-            // call was slow) may meet a decision the fleet made without it.
-            // It is not answered as made: the caller retries with its
-            // request_id once this instance is a member again.
-            if !gate.still_held() {
-                self.fallback.uncertain.insert(record.id, ());
-                return Err(LedgerError::Unavailable {
-                    what: "fleet membership ran out during the decision (outcome unknown; retry with the same request_id)",
-                    retry_after_secs: 1,
-                    source: None,
-                });
-            }
-        }
-        // A replay of a win (the same request_id, whose first answer may
-        // have been lost, so that no instance recorded the win) is answered
-        // `consumed` as a win is: the going-down flush must cover it too,
-        // and it is answered only while this instance is a member.
-        if let Ok((ScriptOutcome::Consumed(m), version)) = &reply {
-            if attempt.request_id.is_some() && m.request_id.as_deref() == attempt.request_id {
-                let fields = journal::consume_fields(
-                    record,
-                    m.request_id.as_deref(),
-                    m.fingerprint.as_deref(),
-                );
-                self.fleet
-                    .decided_in_redis(&gate, journal::decided(fields, version.gen, m.at_ms));
+        // At most two rounds: Redis, then (a key it lacks, or lacks the
+        // subject of) Postgres and Redis again.
+        for round in 0..2 {
+            let Some(gate) = self.fleet.redis_may_decide() else {
+                return self.consume_fast_down(held, of, input, &attempt).await;
+            };
+            let reply = if of.expired() {
+                // Past its expiry by our clock: never consumed behind
+                // Redis's back, only looked at.
+                self.fast
+                    .peek(&held.handle)
+                    .await
+                    .map(|(p, v)| (decision_seen(p), v))
+            } else {
+                self.fast
+                    .decide(&held.handle, &attempt, self.provisional_ms(), &fields, args)
+                    .await
+            };
+            // A win, or a replay of one (the same request_id, whose first
+            // answer may have been lost, so that no instance recorded the
+            // win), is answered `consumed`: the going-down flush must cover
+            // it, and it is answered only while this instance is a member.
+            let won = match &reply {
+                Ok((Decision::Won { at_ms }, version)) => {
+                    Some(journal::decided(fields.clone(), version.gen, *at_ms))
+                }
+                Ok((Decision::Consumed(m), version))
+                    if attempt.request_id.is_some()
+                        && m.request_id.as_deref() == attempt.request_id =>
+                {
+                    let fields = journal::consume_fields(
+                        &held.record,
+                        m.request_id.as_deref(),
+                        m.fingerprint.as_deref(),
+                    );
+                    Some(journal::decided(fields, version.gen, m.at_ms))
+                }
+                _ => None,
+            };
+            if let Some(entry) = won {
+                self.fleet.decided_in_redis(&gate, entry);
+                // The lease is checked again now that the reply is in: a win
+                // that outlived this instance's membership (it was paused,
+                // the call was slow) may meet a decision the fleet made
+                // without it. It is not answered as made: the caller retries
+                // with its request_id once this instance is a member again.
                 if !gate.still_held() {
+                    self.fallback.uncertain.insert(held.record.id, ());
                     return Err(LedgerError::Unavailable {
                         what: "fleet membership ran out during the decision (outcome unknown; retry with the same request_id)",
                         retry_after_secs: 1,
@@ -365,77 +381,196 @@ impl Ledger {
                     });
                 }
             }
+            drop(gate);
+            match reply {
+                Ok((Decision::Won { at_ms }, _)) => {
+                    return Ok(ConsumeAnswer::Consumed {
+                        consumed_at: ms_to_time(at_ms).unwrap_or_else(|| self.clock.now()),
+                        replayed: false,
+                    })
+                }
+                Ok((Decision::Consumed(m), version)) => {
+                    let ran_out =
+                        self.lease_ran_out(&held.record.biz_type, m.at_ms, version.now_ms);
+                    let prior = Prior::from_marker(&m).lease_ran_out(ran_out);
+                    if let Some(answer) = classify(&prior, input, false, self.clock.now())? {
+                        return Ok(answer);
+                    }
+                }
+                Ok((Decision::Provisional(m), _)) => {
+                    if let Some(answer) =
+                        classify(&Prior::from_marker(&m), input, true, self.clock.now())?
+                    {
+                        return Ok(answer);
+                    }
+                }
+                Ok((Decision::Mismatch, _)) => return Err(LedgerError::TokenMismatch),
+                Ok((Decision::Miss | Decision::Unbound, _)) => {
+                    if let (Of::Key { .. }, 0) = (of, round) {
+                        match self.key_in_postgres(held, of, &attempt, input).await? {
+                            KeyFound::Answer(answer) => return Ok(answer),
+                            KeyFound::CreateAt(gen) => {
+                                args.create_at_gen = Some(gen);
+                                args.subject_checked = true;
+                                continue;
+                            }
+                        }
+                    }
+                }
+                // Nothing reached Redis (breaker open, connection refused).
+                Err(FastError::Down) => {
+                    return self.consume_fast_down(held, of, input, &attempt).await
+                }
+                // The script may have run and consumed the token before the
+                // reply was lost (or may still run, late): deciding again
+                // elsewhere could consume it twice. The caller retries with
+                // its request_id and learns the outcome; until Redis answers
+                // again, this instance does not decide it without Redis.
+                Err(e) => {
+                    self.fallback.uncertain.insert(held.record.id, ());
+                    return Err(LedgerError::Unavailable {
+                        what: "redis (outcome unknown; retry with the same request_id)",
+                        retry_after_secs: 1,
+                        source: Some(e.into()),
+                    });
+                }
+            }
+            break;
         }
-        drop(gate);
-        let redis_now_ms = reply.as_ref().map(|(_, v)| v.now_ms).unwrap_or(0);
-        match reply.map(|(outcome, _)| outcome) {
-            Ok(ScriptOutcome::Won { at_ms }) => {
-                return Ok(ConsumeAnswer::Consumed {
-                    consumed_at: ms_to_time(at_ms).unwrap_or_else(|| self.clock.now()),
-                    replayed: false,
+        match of {
+            Of::Token { expired: true } => self.expired_fast(&held.record, input).await,
+            // Redis lost the token or never had it (or a durable claim holds
+            // it: its type changed durability): Postgres decides.
+            Of::Token { expired: false } => {
+                let decided = self
+                    .decide_in_postgres(held, of, &attempt)
+                    .await
+                    .map_err(LedgerError::postgres)?;
+                self.settle_row(&held.handle, 0, &decided.row, decided.gen, None, &attempt);
+                answer_from_row(&decided.row, input, self.clock.now())
+            }
+            // A durable claim holds it (its type changed durability), or an
+            // answer that cannot be: nothing was decided.
+            Of::Key { .. } => Err(LedgerError::Unavailable {
+                what: "redis (the key is being decided; retry with the same request_id)",
+                retry_after_secs: 1,
+                source: None,
+            }),
+        }
+    }
+
+    /// A fast key Redis does not hold (or holds without a subject to check
+    /// a call's against), looked up in Postgres (one read): consumed there,
+    /// it answers from Postgres and Redis gets its marker back; otherwise
+    /// Redis creates it at Postgres's generation and decides, so a key whose
+    /// journal reached Postgres never looks fresh again after Redis lost it.
+    async fn key_in_postgres<I: Attempted>(
+        &self,
+        held: &Held,
+        of: Of<'_>,
+        attempt: &Attempt<'_>,
+        input: &I,
+    ) -> Result<KeyFound, LedgerError> {
+        let found = timed(
+            &self.metrics,
+            "find",
+            self.pools
+                .bounded(keys::find(&self.pools.hot, held.record.id)),
+        )
+        .await
+        .map_err(LedgerError::postgres)?;
+        let Some((e, bound)) = found else {
+            return Ok(KeyFound::CreateAt(0));
+        };
+        if of.subject().is_some_and(|s| s != bound) {
+            return Err(LedgerError::TokenMismatch);
+        }
+        if e.state != TokenState::Consumed {
+            return Ok(KeyFound::CreateAt(e.gen));
+        }
+        let gen = e.gen;
+        let row = ConsumeRow::Existing(e);
+        self.settle_row(&held.handle, 0, &row, gen, None, attempt);
+        self.answer_row(of, &row, None, input).map(KeyFound::Answer)
+    }
+
+    /// Postgres decides a consume (one statement): a durable token's
+    /// through the batcher, a key's through the unique index on (client,
+    /// biz type, key).
+    async fn decide_in_postgres(
+        &self,
+        held: &Held,
+        of: Of<'_>,
+        attempt: &Attempt<'_>,
+    ) -> Result<Decided, DurableError> {
+        match of {
+            Of::Token { .. } => {
+                let (row, gen) = self.consume_in_postgres(&held.record, attempt).await?;
+                Ok(Decided {
+                    row,
+                    gen,
+                    subject: None,
                 })
             }
-            Ok(ScriptOutcome::Consumed(m)) => {
-                let ran_out = self.lease_ran_out(&record.biz_type, m.at_ms, redis_now_ms);
-                let prior = Prior::from_marker(&m).lease_ran_out(ran_out);
-                if let Some(answer) = classify(&prior, input, false, self.clock.now())? {
-                    return Ok(answer);
+            Of::Key { .. } => {
+                let d = timed(
+                    &self.metrics,
+                    "consume",
+                    self.pools.bounded(keys::consume(
+                        &self.pools.hot,
+                        &held.record,
+                        attempt.fingerprint,
+                        attempt.request_id,
+                    )),
+                )
+                .await?;
+                Ok(Decided {
+                    row: d.row,
+                    gen: d.gen,
+                    subject: Some(d.subject),
+                })
+            }
+        }
+    }
+
+    /// The answer Postgres's row gives (`bound`: the subject a key was
+    /// created with). A key is never `token_expired`: a row that is not
+    /// consumed was released concurrently, and the caller retries.
+    fn answer_row<I: Attempted>(
+        &self,
+        of: Of<'_>,
+        row: &ConsumeRow,
+        bound: Option<&str>,
+        input: &I,
+    ) -> Result<ConsumeAnswer, LedgerError> {
+        if let Of::Key { subject } = of {
+            if let (Some(s), Some(b)) = (subject, bound) {
+                if s.as_str() != b {
+                    return Err(LedgerError::TokenMismatch);
                 }
             }
-            Ok(ScriptOutcome::Provisional(m)) => {
-                if let Some(answer) =
-                    classify(&Prior::from_marker(&m), input, true, self.clock.now())?
-                {
-                    return Ok(answer);
-                }
-            }
-            // Issued but past our expiry: Postgres says whether it was consumed.
-            // Mismatch and Unbound are client keys' answers, never a token's.
-            Ok(
-                ScriptOutcome::Issued
-                | ScriptOutcome::Claimed
-                | ScriptOutcome::Miss
-                | ScriptOutcome::Mismatch
-                | ScriptOutcome::Unbound,
-            ) => {}
-            // Nothing reached Redis (breaker open, connection refused).
-            Err(FastError::Down) => {
-                return self
-                    .consume_fast_down(token, record, input, &attempt, expired)
-                    .await
-            }
-            // The script may have run and consumed the token before the reply
-            // was lost (or may still run, late): deciding again elsewhere
-            // could consume it twice. The caller retries with its request_id
-            // and learns the outcome; until Redis answers again, this
-            // instance does not decide the token without it.
-            Err(e) => {
-                self.fallback.uncertain.insert(record.id, ());
+            let consumed = match row {
+                ConsumeRow::Won { .. } => true,
+                ConsumeRow::Existing(e) => e.state == TokenState::Consumed,
+                ConsumeRow::Expired => false,
+            };
+            if !consumed {
                 return Err(LedgerError::Unavailable {
-                    what: "redis (outcome unknown; retry with the same request_id)",
+                    what: "postgres (the key was released meanwhile; retry)",
                     retry_after_secs: 1,
-                    source: Some(e.into()),
+                    source: None,
                 });
             }
         }
-        if expired {
-            return self.expired_fast(record, input).await;
-        }
-        // Redis lost the key or never had it: Postgres decides.
-        let (row, gen) = self
-            .consume_in_postgres(record, &attempt)
-            .await
-            .map_err(LedgerError::postgres)?;
-        self.settle_row(&token.text, 0, &row, gen, None, &attempt);
-        answer_from_row(&row, input, self.clock.now())
+        answer_from_row(row, input, self.clock.now())
     }
 
     /// A fast token past its expiry on our clock: never consumed behind
     /// Redis's back; Postgres says whether it was consumed before.
-    pub(super) async fn expired_fast(
+    pub(super) async fn expired_fast<I: Attempted>(
         &self,
         record: &TokenRecord,
-        input: &ConsumeInput,
+        input: &I,
     ) -> Result<ConsumeAnswer, LedgerError> {
         let found = timed(
             &self.metrics,
@@ -509,9 +644,10 @@ impl Ledger {
         self.settle_consumed_in_background(handle, gen, marker);
     }
 
-    /// A token's time to live by its embedded expiry, by our clock.
-    pub(super) fn remaining_ms(&self, token: &VerifiedToken) -> i64 {
-        token.claims.expires_at_ms() - self.clock.now_ms()
+    /// How long a token or key's issued state lives in Redis from now, ms
+    /// (a token's by its embedded expiry, by our clock).
+    pub(super) fn remaining_of(&self, held: &Held) -> i64 {
+        held.issued_until_ms - self.clock.now_ms()
     }
 
     /// Gives our provisional marker on `handle`'s key back, to live
@@ -534,6 +670,53 @@ pub(super) enum MarkerAnswer {
     UnlessPostgresSays(ConsumeAnswer),
     /// Postgres decides.
     AskPostgres,
+}
+
+/// Postgres's decision of a consume: the row, the generation the token or
+/// key is at, and (a key's) the subject it was created with.
+struct Decided {
+    row: ConsumeRow,
+    gen: i64,
+    subject: Option<String>,
+}
+
+/// What a fast key's lookup in Postgres found (see `key_in_postgres`).
+enum KeyFound {
+    /// Consumed there: this is the answer.
+    Answer(ConsumeAnswer),
+    /// Not consumed there: Redis creates it at this generation and decides.
+    CreateAt(i64),
+}
+
+/// A durable attempt's view of a key it only looked at: what a claim would
+/// have found, or `None` (live, or missing): Postgres decides.
+fn claim_seen(p: Peek) -> Option<Claim> {
+    match p {
+        Peek::Consumed(m) => Some(Claim::Consumed(m)),
+        Peek::Provisional(m) => Some(Claim::Provisional(m)),
+        Peek::Issued | Peek::Miss => None,
+    }
+}
+
+/// A fast attempt's view of a key it only looked at: consumed or in
+/// flight, or else not consumed in Redis ([`Decision::Miss`]: Postgres
+/// says).
+fn decision_seen(p: Peek) -> Decision {
+    match p {
+        Peek::Consumed(m) => Decision::Consumed(m),
+        Peek::Provisional(m) => Decision::Provisional(m),
+        Peek::Issued | Peek::Miss => Decision::Miss,
+    }
+}
+
+/// An attempt's arguments to the consume script (`owner`: its provisional
+/// marker's, `""` for none).
+fn attempt_of<'a, I: Attempted>(owner: &'a str, input: &'a I) -> Attempt<'a> {
+    Attempt {
+        owner,
+        request_id: input.request_id().map(RequestId::as_str),
+        fingerprint: input.fingerprint().map(Fingerprint::as_str),
+    }
 }
 
 /// What the answer to a consume attempt depends on besides the prior:

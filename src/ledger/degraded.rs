@@ -11,17 +11,16 @@ use std::time::Duration;
 
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 
-use super::consume::{answer_from_row, classify, Prior};
+use super::consume::{answer_from_row, classify, Attempted, Prior};
 use super::core::{ms, ms_to_time};
-use super::{ConsumeAnswer, ConsumeInput, DuplicateStatus, Ledger, LedgerError};
+use super::held::{Held, Of};
+use super::{ConsumeAnswer, DuplicateStatus, Ledger, LedgerError};
 use crate::config::RedisSettings;
 use crate::durable::fleet as fleet_store;
 use crate::durable::timed;
-use crate::durable::tokens::TokenRecord;
-use crate::fast::{Attempt, ConsumeMode, Marker, ScriptOutcome};
+use crate::fast::{Attempt, Decision, KeyArgs, Marker};
 use crate::health::Mode;
 use crate::journal;
-use crate::token::VerifiedToken;
 
 /// A write to Redis that could not be made while it was down, replayed when
 /// it is back (so that a fast token consumed through Postgres meanwhile does
@@ -94,14 +93,23 @@ impl Ledger {
     /// `redis.memory_fallback`, this instance decides alone (exactly once per
     /// instance) and the decision reaches Redis and the journal when Redis
     /// is back.
-    pub(super) async fn consume_fast_down(
+    pub(super) async fn consume_fast_down<I: Attempted>(
         &self,
-        token: &VerifiedToken,
-        record: &TokenRecord,
-        input: &ConsumeInput,
+        held: &Held,
+        of: Of<'_>,
+        input: &I,
         attempt: &Attempt<'_>,
-        expired: bool,
     ) -> Result<ConsumeAnswer, LedgerError> {
+        // A key is created in Redis at Postgres's generation: no instance
+        // decides one without Redis.
+        if let Of::Key { .. } = of {
+            return Err(LedgerError::Unavailable {
+                what: "redis (it decides fast keys)",
+                retry_after_secs: 1,
+                source: None,
+            });
+        }
+        let record = &held.record;
         self.metrics.redis_bypass.with_label_values(&["down"]).inc();
         if let Some(m) = self.fallback.consumed.get(&record.id) {
             if let Some(answer) = classify(&Prior::from_marker(&m), input, false, self.clock.now())?
@@ -109,7 +117,7 @@ impl Ledger {
                 return Ok(answer);
             }
         }
-        if expired {
+        if of.expired() {
             return self.expired_fast(record, input).await;
         }
         if self.fallback.uncertain.contains_key(&record.id) {
@@ -134,7 +142,7 @@ impl Ledger {
                 tracing::debug!(
                     "redis and postgres down: this instance decides (redis.memory_fallback)"
                 );
-                return self.consume_fast_in_memory(token, record, input, attempt);
+                return self.consume_fast_in_memory(held, input, attempt);
             }
             return Err(LedgerError::Unavailable {
                 what: "redis (unreachable from this instance, and the fleet has not agreed that it is down; retry)",
@@ -149,7 +157,7 @@ impl Ledger {
                 &self.pools.hot,
                 epoch,
                 record,
-                &token.text,
+                &held.handle,
                 attempt.fingerprint,
                 attempt.request_id,
             )),
@@ -160,7 +168,7 @@ impl Ledger {
                 if let Some(m) = self.marker_of(&row, attempt) {
                     self.fallback.consumed.insert(record.id, m);
                 }
-                self.settle_row(&token.text, 0, &row, gen, None, attempt);
+                self.settle_row(&held.handle, 0, &row, gen, None, attempt);
                 answer_from_row(&row, input, self.clock.now())
             }
             Ok(None) => Err(LedgerError::Unavailable {
@@ -170,20 +178,20 @@ impl Ledger {
             }),
             Err(e) if e.is_unavailable() && self.settings.redis.memory_fallback => {
                 tracing::debug!(error = %e, "redis and postgres down: this instance decides (redis.memory_fallback)");
-                self.consume_fast_in_memory(token, record, input, attempt)
+                self.consume_fast_in_memory(held, input, attempt)
             }
             Err(e) => Err(LedgerError::postgres(e)),
         }
     }
 
     /// Decides a fast consume in this process: the first attempt here wins.
-    fn consume_fast_in_memory(
+    fn consume_fast_in_memory<I: Attempted>(
         &self,
-        token: &VerifiedToken,
-        record: &TokenRecord,
-        input: &ConsumeInput,
+        held: &Held,
+        input: &I,
         attempt: &Attempt<'_>,
     ) -> Result<ConsumeAnswer, LedgerError> {
+        let record = &held.record;
         let marker = Marker {
             at_ms: self.clock.now_ms(),
             request_id: attempt.request_id.map(str::to_owned),
@@ -207,7 +215,7 @@ impl Ledger {
         }
         let journal = journal::consume_fields(record, attempt.request_id, attempt.fingerprint);
         let queued = self.resync.push(Resync::FastConsumed {
-            token: token.text.clone(),
+            token: held.handle.clone(),
             marker: marker.clone(),
             journal,
         });
@@ -303,24 +311,22 @@ impl Ledger {
             fingerprint: marker.fingerprint.as_deref(),
         };
         let provisional = ms(self.settings.tokens.provisional_ttl);
-        let (outcome, _) = self
+        let (decision, _) = self
             .fast
-            .consume_versioned(token, ConsumeMode::Fast, &attempt, provisional, journal)
+            .decide(token, &attempt, provisional, journal, KeyArgs::default())
             .await?;
-        match outcome {
-            ScriptOutcome::Miss => {
+        match decision {
+            Decision::Miss => {
                 self.fast.write_consumed(token, 1, marker).await?;
                 let mut entry = journal.to_vec();
                 entry.push((journal::AT, marker.at_ms.to_string()));
                 self.fast.append_journal(&entry).await
             }
-            ScriptOutcome::Won { .. }
-            | ScriptOutcome::Consumed(_)
-            | ScriptOutcome::Provisional(_)
-            | ScriptOutcome::Claimed
-            | ScriptOutcome::Issued
-            | ScriptOutcome::Mismatch
-            | ScriptOutcome::Unbound => Ok(()),
+            Decision::Won { .. }
+            | Decision::Consumed(_)
+            | Decision::Provisional(_)
+            | Decision::Mismatch
+            | Decision::Unbound => Ok(()),
         }
     }
 

@@ -15,15 +15,18 @@
 //!   in Postgres (one read): consumed there, it answers from Postgres and
 //!   Redis gets its marker back; otherwise the script creates it at
 //!   Postgres's generation and wins it, so a key whose journal reached
-//!   Postgres never looks fresh again after Redis lost it. While Redis
-//!   cannot be reached fast keys answer 503: no instance decides one
-//!   without Redis (durable keys keep working on Postgres alone).
+//!   Postgres never looks fresh again after Redis lost it. Redis decides a
+//!   fast key through the fleet's gate, as a fast token: while the gate is
+//!   closed or Redis cannot be reached fast keys answer 503, since no
+//!   instance decides one without Redis (durable keys keep working on
+//!   Postgres alone).
+//!
+//! The consume itself is `consume::consume_held` with `held::Of::Key`.
 
 use serde_json::Value as Json;
 
-use super::consume::{answer_from_row, classify, Attempted, Look, MarkerAnswer, Prior};
-use super::core::ms;
-use super::result::Held;
+use super::consume::{Attempted, Look, Prior};
+use super::held::{Held, Of};
 use super::{ConsumeAnswer, Ledger, LedgerError, ResultAnswer};
 use crate::auth::Client;
 use crate::config::Durability;
@@ -31,8 +34,8 @@ use crate::domain::key::{identity, ClientKey};
 use crate::domain::{BizType, Fingerprint, Reason, RequestId, Subject};
 use crate::durable::keys::{self as sql, KeyState};
 use crate::durable::timed;
-use crate::durable::tokens::{ConsumeRow, TokenRecord, TokenState};
-use crate::fast::{Attempt, ConsumeMode, FastError, KeyArgs, ScriptOutcome};
+use crate::durable::tokens::{TokenRecord, TokenState};
+use crate::fast::Peek;
 use crate::journal;
 
 /// A consume of a key, parsed.
@@ -120,217 +123,15 @@ impl Ledger {
     ) -> Result<Look, LedgerError> {
         let subject = input.subject.as_ref().map(Subject::as_str).unwrap_or("");
         let held = self.held_key(caller, &input.biz_type, &input.key, subject)?;
-        let answer = match held.durability {
-            Durability::Durable => self.consume_key_durable(&held, input).await,
-            Durability::Fast => self.consume_key_fast(&held, input).await,
+        let of = Of::Key {
+            subject: input.subject.as_ref(),
         };
+        let answer = self.consume_held(&held, of, input).await;
         Ok(Look {
             biz: input.biz_type.clone(),
             id: held.record.id,
             of_key: true,
             answer,
-        })
-    }
-
-    async fn consume_key_durable(
-        &self,
-        held: &Held,
-        input: &KeyInput,
-    ) -> Result<ConsumeAnswer, LedgerError> {
-        let owner = uuid::Uuid::new_v4().simple().to_string();
-        let attempt = Attempt {
-            owner: &owner,
-            request_id: input.request_id.as_ref().map(RequestId::as_str),
-            fingerprint: input.fingerprint.as_ref().map(Fingerprint::as_str),
-        };
-        let provisional = ms(self.settings.tokens.provisional_ttl);
-        let remaining = held.issued_until_ms - self.clock.now_ms();
-        // Redis's markers do not carry a key's subject: a call that names one
-        // is answered by Postgres.
-        let from_marker = input.subject.is_none();
-        let mut claimed = false;
-        let mut fallback = None;
-        let reply = if self.fast.health().bypass() {
-            self.metrics
-                .redis_bypass
-                .with_label_values(&["degraded_sample"])
-                .inc();
-            Err(FastError::Down)
-        } else {
-            self.fast
-                .consume_key(
-                    &held.handle,
-                    ConsumeMode::Durable,
-                    &attempt,
-                    provisional,
-                    &[],
-                    KeyArgs::default(),
-                )
-                .await
-        };
-        match reply {
-            Ok((ScriptOutcome::Consumed(m), version)) if from_marker => {
-                match self.durable_marker_answer(&m, version, input) {
-                    MarkerAnswer::Answer(answer) => return Ok(answer),
-                    MarkerAnswer::UnlessPostgresSays(answer) => fallback = Some(answer),
-                    MarkerAnswer::AskPostgres => {}
-                }
-            }
-            Ok((ScriptOutcome::Provisional(m), _)) if from_marker => {
-                if let Some(answer) =
-                    classify(&Prior::from_marker(&m), input, true, self.clock.now())?
-                {
-                    return Ok(answer);
-                }
-            }
-            Ok((ScriptOutcome::Claimed, _)) => claimed = true,
-            Ok(_) | Err(FastError::Down) => {}
-            Err(e) => tracing::debug!(error = %e, "redis failed; postgres decides alone"),
-        }
-        let decided = timed(
-            &self.metrics,
-            "consume",
-            self.pools.bounded(sql::consume(
-                &self.pools.hot,
-                &held.record,
-                attempt.fingerprint,
-                attempt.request_id,
-            )),
-        )
-        .await;
-        let decided = match decided {
-            Ok(d) => d,
-            Err(e) => {
-                if claimed {
-                    self.spawn_unclaim(&held.handle, remaining, owner.clone());
-                }
-                if let (Some(answer), true) = (fallback, e.is_unavailable()) {
-                    return Ok(answer);
-                }
-                return Err(LedgerError::postgres(e));
-            }
-        };
-        let owner = claimed.then_some(owner.clone());
-        self.settle_row(
-            &held.handle,
-            remaining,
-            &decided.row,
-            decided.gen,
-            owner,
-            &attempt,
-        );
-        if input
-            .subject
-            .as_ref()
-            .is_some_and(|s| s.as_str() != decided.subject)
-        {
-            return Err(LedgerError::TokenMismatch);
-        }
-        key_answer(&decided.row, input, self)
-    }
-
-    async fn consume_key_fast(
-        &self,
-        held: &Held,
-        input: &KeyInput,
-    ) -> Result<ConsumeAnswer, LedgerError> {
-        let attempt = Attempt {
-            owner: "",
-            request_id: input.request_id.as_ref().map(RequestId::as_str),
-            fingerprint: input.fingerprint.as_ref().map(Fingerprint::as_str),
-        };
-        let provisional = ms(self.settings.tokens.provisional_ttl);
-        let fields = journal::consume_fields(&held.record, attempt.request_id, attempt.fingerprint);
-        let subject = input.subject.as_ref().map(Subject::as_str);
-        let mut args = KeyArgs {
-            subject,
-            create_at_gen: None,
-            subject_checked: false,
-        };
-        // At most two rounds: Redis, then (when it lacks the key or its
-        // subject) Postgres and Redis again.
-        for round in 0..2 {
-            let reply = self
-                .fast
-                .consume_key(
-                    &held.handle,
-                    ConsumeMode::Fast,
-                    &attempt,
-                    provisional,
-                    &fields,
-                    args,
-                )
-                .await;
-            match reply {
-                Ok((ScriptOutcome::Won { at_ms }, _)) => {
-                    return Ok(ConsumeAnswer::Consumed {
-                        consumed_at: super::core::ms_to_time(at_ms)
-                            .unwrap_or_else(|| self.clock.now()),
-                        replayed: false,
-                    })
-                }
-                Ok((ScriptOutcome::Consumed(m), version)) => {
-                    let ran_out =
-                        self.lease_ran_out(&held.record.biz_type, m.at_ms, version.now_ms);
-                    let prior = Prior::from_marker(&m).lease_ran_out(ran_out);
-                    if let Some(answer) = classify(&prior, input, false, self.clock.now())? {
-                        return Ok(answer);
-                    }
-                }
-                Ok((ScriptOutcome::Mismatch, _)) => return Err(LedgerError::TokenMismatch),
-                Ok((ScriptOutcome::Miss | ScriptOutcome::Unbound, _)) if round == 0 => {
-                    let found = timed(
-                        &self.metrics,
-                        "find",
-                        self.pools
-                            .bounded(sql::find(&self.pools.hot, held.record.id)),
-                    )
-                    .await
-                    .map_err(LedgerError::postgres)?;
-                    match found {
-                        Some((e, bound)) => {
-                            if subject.is_some_and(|s| s != bound) {
-                                return Err(LedgerError::TokenMismatch);
-                            }
-                            if e.state == TokenState::Consumed {
-                                let gen = e.gen;
-                                let row = ConsumeRow::Existing(e);
-                                self.settle_row(&held.handle, 0, &row, gen, None, &attempt);
-                                return key_answer(&row, input, self);
-                            }
-                            args.create_at_gen = Some(e.gen);
-                        }
-                        None => args.create_at_gen = Some(0),
-                    }
-                    args.subject_checked = true;
-                    continue;
-                }
-                Ok(_) => {}
-                Err(FastError::Down) => {
-                    return Err(LedgerError::Unavailable {
-                        what: "redis (it decides fast keys)",
-                        retry_after_secs: 1,
-                        source: None,
-                    })
-                }
-                // The script may have run: the caller retries with its
-                // request_id and learns the outcome.
-                Err(e) => {
-                    return Err(LedgerError::Unavailable {
-                        what: "redis (outcome unknown; retry with the same request_id)",
-                        retry_after_secs: 1,
-                        source: Some(e.into()),
-                    })
-                }
-            }
-            break;
-        }
-        // A provisional marker (a durable claim: the biz type changed its
-        // durability) or an answer that cannot be: nothing was decided.
-        Err(LedgerError::Unavailable {
-            what: "redis (the key is being decided; retry with the same request_id)",
-            retry_after_secs: 1,
-            source: None,
         })
     }
 
@@ -412,24 +213,9 @@ impl Ledger {
     ) -> Result<Option<KeyState>, LedgerError> {
         let held = self.held_key(caller, biz, key, "")?;
         if held.durability == Durability::Fast {
-            let attempt = Attempt {
-                owner: "",
-                request_id: None,
-                fingerprint: None,
-            };
-            let peek = self
-                .fast
-                .consume_key(
-                    &held.handle,
-                    ConsumeMode::Peek,
-                    &attempt,
-                    0,
-                    &[],
-                    KeyArgs::default(),
-                )
-                .await;
+            let peek = self.fast.peek(&held.handle).await;
             match peek {
-                Ok((ScriptOutcome::Consumed(m), _)) => {
+                Ok((Peek::Consumed(m), _)) => {
                     let prior = Prior::from_marker(&m);
                     return Ok(Some(KeyState {
                         state: TokenState::Consumed,
@@ -440,7 +226,7 @@ impl Ledger {
                             .and_then(|r| serde_json::from_str(r).ok()),
                     }));
                 }
-                Ok((ScriptOutcome::Issued, _)) => {
+                Ok((Peek::Issued, _)) => {
                     return Ok(Some(KeyState {
                         state: TokenState::Issued,
                         consumed_at: None,
@@ -458,25 +244,5 @@ impl Ledger {
         )
         .await
         .map_err(LedgerError::postgres)
-    }
-}
-
-/// The answer a key's row gives. A key is never `token_expired`: a row that
-/// is not consumed here was released concurrently, and the caller retries.
-fn key_answer(
-    row: &ConsumeRow,
-    input: &KeyInput,
-    ledger: &Ledger,
-) -> Result<ConsumeAnswer, LedgerError> {
-    match row {
-        ConsumeRow::Won { .. } => answer_from_row(row, input, ledger.clock.now()),
-        ConsumeRow::Existing(e) if e.state == TokenState::Consumed => {
-            answer_from_row(row, input, ledger.clock.now())
-        }
-        ConsumeRow::Existing(_) | ConsumeRow::Expired => Err(LedgerError::Unavailable {
-            what: "postgres (the key was released meanwhile; retry)",
-            retry_after_secs: 1,
-            source: None,
-        }),
     }
 }

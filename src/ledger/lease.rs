@@ -21,7 +21,7 @@ use crate::config::{Durability, LeaseExpiry, ProcessingLease};
 use crate::durable::leases::{self as sql, UncertainRow};
 use crate::durable::timed;
 use crate::durable::tokens::TokenRecord;
-use crate::fast::FastWrite;
+use crate::fast::ReleaseWrite;
 use crate::journal;
 
 /// At most this many consumes are marked or released per biz type and sweep.
@@ -185,10 +185,6 @@ impl Ledger {
             };
             let fields =
                 journal::admin_release_fields_for(&record, "lease", "processing lease ran out");
-            // Cooling for `redis.timeout` after it, as a client's release
-            // (see `fast_write.lua`).
-            let cool = self.settings.redis.timeout.as_millis();
-            let arg = format!("{remaining}:{}:{}:{cool}", d.gen, lease_ms(lease));
             // Through the fleet's gate, as a client's release, and recorded
             // for the going-down flush; with the gate closed, the next
             // sweep tries again.
@@ -197,21 +193,21 @@ impl Ledger {
             };
             let reply = self
                 .fast
-                .fast_write(&d.handle, "lease_release", arg, None, &fields)
+                .lease_release(&d.handle, remaining, d.gen, lease_ms(lease), &fields)
                 .await;
-            if let Ok(FastWrite::Released { gen, at_ms }) = &reply {
+            if let Ok(ReleaseWrite::Released { gen, at_ms }) = &reply {
                 self.fleet
                     .decided_in_redis(&gate, journal::decided(fields.clone(), *gen, *at_ms));
             }
             drop(gate);
             match reply {
-                Ok(FastWrite::Released { .. }) => {
+                Ok(ReleaseWrite::Released { .. }) => {
                     released += 1;
                     self.changes.changed(d.id);
                 }
                 // Resolved or consumed again meanwhile, Redis's clock not there
                 // yet, or Redis no longer holds it (reconcile's case).
-                Ok(_) => {}
+                Ok(ReleaseWrite::NotReleasable | ReleaseWrite::Miss) => {}
                 Err(e) => {
                     tracing::debug!(error = %e, "lease release not sent to redis; the next sweep tries again");
                     break;

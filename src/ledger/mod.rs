@@ -1,5 +1,6 @@
-//! The ledger: issue, consume, result and release. The only module that talks
-//! to both tiers, and so the one that owns the consume protocol:
+//! The ledger: issue, consume, result and release, the payment path's use of
+//! both tiers, and so the owner of the consume protocol (the fleet, the
+//! journal drainer and reconcile hold both tiers too, for their own jobs):
 //!
 //! 1. verify the token (tag, binding, biz type) and ask the fleet's filter of
 //!    issued ids ([`crate::bloom`]) whether it was ever issued: no I/O;
@@ -30,8 +31,12 @@
 //! - `core`: the [`Ledger`] itself and the checks every operation shares
 //!   (step 1);
 //! - `issue`: issuing, its rate limit and the Redis seed;
-//! - `consume`: steps 2 to 4, with `classify` and `answer_from_row`, which
-//!   turn what an earlier consume left behind into an answer;
+//! - `held`: what an operation acts on, a token or a client key, and what
+//!   differs between the two in a consume;
+//! - `consume`: steps 2 to 4, written once for tokens and keys, talking to
+//!   Redis through one reply type per operation (claim, decide, peek), with
+//!   `classify` and `answer_from_row`, which turn what an earlier consume
+//!   left behind into an answer;
 //! - `settle`: step 4's write-backs of consumed states, pipelined;
 //! - `degraded`: fast consumes while Redis is skipped, and the queue of
 //!   Redis writes replayed when it is back;
@@ -40,13 +45,15 @@
 //! - `result`: result and release (of a token or a client key), a client's
 //!   and an operator's;
 //! - `read`: a token's state, read without changing anything;
-//! - `keys`: client-supplied keys (`/v1/keys`): the same protocol for a key
-//!   that belongs to (client, biz type) instead of a signed token.
+//! - `keys`: client-supplied keys (`/v1/keys`): a key that belongs to
+//!   (client, biz type) instead of a signed token, handed to the same
+//!   consume, result and release.
 
 pub mod api;
 mod consume;
 mod core;
 mod degraded;
+mod held;
 mod issue;
 mod keys;
 mod lease;

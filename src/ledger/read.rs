@@ -21,7 +21,7 @@ use crate::config::{Durability, ProcessingLease};
 use crate::domain::{Subject, TokenStatus};
 use crate::durable::timed;
 use crate::durable::tokens::{self, Existing, TokenState};
-use crate::fast::{Attempt, ConsumeMode, ScriptOutcome};
+use crate::fast::Peek;
 use crate::token::VerifiedToken;
 
 impl Ledger {
@@ -65,15 +65,7 @@ impl Ledger {
         lease: Option<ProcessingLease>,
     ) -> Option<TokenReading> {
         // `peek` only reads: it writes nothing, whatever it finds.
-        let attempt = Attempt {
-            owner: "",
-            request_id: None,
-            fingerprint: None,
-        };
-        let reply = self
-            .fast
-            .consume_versioned(&token.text, ConsumeMode::Peek, &attempt, 0, &[])
-            .await;
+        let reply = self.fast.peek(&token.text).await;
         let (outcome, version) = match reply {
             Ok(r) => r,
             Err(e) => {
@@ -83,7 +75,7 @@ impl Ledger {
         };
         let expires_at = self.expires_at(token);
         match outcome {
-            ScriptOutcome::Consumed(m) => Some(TokenReading {
+            Peek::Consumed(m) => Some(TokenReading {
                 biz_type: token.claims.biz_type.clone(),
                 state: if m.result.is_none() && ran_out(lease, m.at_ms, version.now_ms) {
                     TokenStatus::Uncertain
@@ -97,7 +89,7 @@ impl Ledger {
                     .as_deref()
                     .and_then(|r| serde_json::from_str::<Json>(r).ok()),
             }),
-            ScriptOutcome::Issued => Some(TokenReading {
+            Peek::Issued => Some(TokenReading {
                 biz_type: token.claims.biz_type.clone(),
                 state: if token.claims.expires_at_ms() <= version.now_ms {
                     TokenStatus::Expired
@@ -108,14 +100,8 @@ impl Ledger {
                 consumed_at: None,
                 result: None,
             }),
-            // A provisional marker (not a fast type's), or no key; a key's
-            // answers never come from a token's peek.
-            ScriptOutcome::Provisional(_)
-            | ScriptOutcome::Mismatch
-            | ScriptOutcome::Unbound
-            | ScriptOutcome::Miss
-            | ScriptOutcome::Won { .. }
-            | ScriptOutcome::Claimed => None,
+            // A provisional marker (not a fast type's), or no key.
+            Peek::Provisional(_) | Peek::Miss => None,
         }
     }
 

@@ -17,32 +17,17 @@ use serde_json::Value as Json;
 
 use super::core::{ms, ms_to_time, Tally};
 use super::degraded::Resync;
+use super::held::Held;
 use super::{Ledger, LedgerError, ResultAnswer};
 use crate::auth::Client;
 use crate::config::Durability;
 use crate::domain::{Reason, RequestId, Subject};
 use crate::durable::timed;
 use crate::durable::tokens::{self, Existing, ReleaseRow, ResultDecided, TokenRecord, TokenState};
-use crate::fast::{Attempt, ConsumeMode, FastError, FastWrite, Marker, ScriptOutcome};
+use crate::fast::{FastError, Marker, Peek, ReleaseWrite, ResultWrite};
 use crate::fleet::FleetState;
 use crate::journal;
 use crate::token::VerifiedToken;
-
-/// What a result or release acts on: a token, or a client key.
-pub(super) struct Held {
-    /// The hash tag of its Redis key: the token text, or the key's handle.
-    pub(super) handle: String,
-    /// Its row (the id, and what a journal entry carries).
-    pub(super) record: TokenRecord,
-    pub(super) durability: Durability,
-    /// Until when its issued state lives in Redis after a release, ms since
-    /// the epoch: a token's expiry; for a key, `redis.consumed_ttl` from now.
-    pub(super) issued_until_ms: i64,
-    /// The `request_id` of the consume a result or release belongs to, when
-    /// the caller names it: the call then applies only while that consume
-    /// holds the token (not after a release and another consume).
-    pub(super) of_request: Option<String>,
-}
 
 /// The consumed marker of a Postgres row (its result included).
 fn marker_of_row(e: &Existing) -> Marker {
@@ -140,9 +125,8 @@ impl Ledger {
             };
             let reply = self
                 .fast
-                .fast_write(
+                .write_result(
                     &held.handle,
-                    "result",
                     encoded.clone(),
                     held.of_request.as_deref(),
                     &fields,
@@ -158,9 +142,9 @@ impl Ledger {
                 });
             }
             match reply {
-                Ok(FastWrite::Recorded) => return Ok(ResultAnswer::Recorded),
-                Ok(FastWrite::Same) => return Ok(ResultAnswer::AlreadyRecorded),
-                Ok(FastWrite::Conflict(stored)) => {
+                Ok(ResultWrite::Recorded) => return Ok(ResultAnswer::Recorded),
+                Ok(ResultWrite::Same) => return Ok(ResultAnswer::AlreadyRecorded),
+                Ok(ResultWrite::Conflict(stored)) => {
                     let stored: Option<Json> = serde_json::from_str(&stored).ok();
                     return if stored.as_ref() == Some(result) {
                         Ok(ResultAnswer::AlreadyRecorded)
@@ -168,8 +152,8 @@ impl Ledger {
                         Err(LedgerError::ResultAlreadySet)
                     };
                 }
-                Ok(FastWrite::NotConsumed) => return Err(LedgerError::NotConsumed),
-                Ok(_) => {} // miss: Postgres
+                Ok(ResultWrite::NotConsumed) => return Err(LedgerError::NotConsumed),
+                Ok(ResultWrite::Miss) => {} // Postgres decides
                 Err(e) => {
                     return self
                         .result_without_redis(held, result, detail, Some(e))
@@ -411,17 +395,9 @@ impl Ledger {
         .await
         .map_err(LedgerError::postgres)?;
         let Some((subject, client)) = owner else {
-            let attempt = Attempt {
-                owner: "",
-                request_id: None,
-                fingerprint: None,
-            };
-            let peek = self
-                .fast
-                .consume(&token.text, ConsumeMode::Peek, &attempt, 0, &[])
-                .await;
+            let peek = self.fast.peek(&token.text).await;
             return Err(match peek {
-                Ok(ScriptOutcome::Consumed(_)) => LedgerError::Unavailable {
+                Ok((Peek::Consumed(_), _)) => LedgerError::Unavailable {
                     what: "the token's record (not in postgres yet)",
                     retry_after_secs: 1,
                     source: None,
@@ -504,23 +480,14 @@ impl Ledger {
                     source: None,
                 });
             };
-            // For `redis.timeout` after the release nobody consumes the token
-            // (`cooling`): a consume script sent before it, whose caller died
-            // or gave up, passes its not-after bound first.
-            let cool = self.settings.redis.timeout.as_millis();
+            // Cooling for `redis.timeout` after it (see `FastTier::release`).
             let reply = self
                 .fast
-                .fast_write(
-                    &held.handle,
-                    "release",
-                    format!("{remaining}:{cool}"),
-                    held.of_request.as_deref(),
-                    &fields,
-                )
+                .release(&held.handle, remaining, held.of_request.as_deref(), &fields)
                 .await;
             // A release Redis decided is recorded for the going-down flush,
             // as a consume is: Postgres must know it before it decides.
-            if let Ok(FastWrite::Released { gen, at_ms }) = &reply {
+            if let Ok(ReleaseWrite::Released { gen, at_ms }) = &reply {
                 self.fleet
                     .decided_in_redis(&gate, journal::decided(fields.clone(), *gen, *at_ms));
             }
@@ -535,11 +502,9 @@ impl Ledger {
             }
             match reply {
                 // The journal entry carries the release (and its audit row) to Postgres.
-                Ok(FastWrite::Released { .. }) => return Ok(()),
-                Ok(FastWrite::NotReleasable | FastWrite::NotConsumed) => {
-                    return Err(LedgerError::NotReleasable)
-                }
-                Ok(_) => {} // miss: Postgres
+                Ok(ReleaseWrite::Released { .. }) => return Ok(()),
+                Ok(ReleaseWrite::NotReleasable) => return Err(LedgerError::NotReleasable),
+                Ok(ReleaseWrite::Miss) => {} // Postgres decides
                 Err(e) => {
                     return Err(LedgerError::Unavailable {
                         what: "redis",

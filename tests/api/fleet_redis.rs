@@ -900,6 +900,18 @@ async fn a_result_on_an_instance_that_has_not_seen_the_episode_end_never_denies_
     .await;
 }
 
+/// An instance on its own Redis and Postgres, quick to see either down,
+/// whose Redis keeps deciding through a Postgres outage
+/// (`fleet.decide_without_postgres`).
+fn through_postgres_outages(redis: &RedisProc, pg: &PgProc) -> Stores {
+    Stores::fresh()
+        .redis(&redis.url())
+        .postgres(&pg.base())
+        .with(FAST_TIMEOUT)
+        .with("redis.down_after = \"1s\"\npostgres.acquire_timeout = \"500ms\"")
+        .with("fleet.decide_without_postgres = true")
+}
+
 /// Issue 24, item 3: a Postgres outage, then a Redis outage. With
 /// `fleet.decide_without_postgres`, Redis decides fast consumes through a
 /// Postgres outage and their journal entries wait in Redis. Before going
@@ -911,13 +923,7 @@ async fn a_result_on_an_instance_that_has_not_seen_the_episode_end_never_denies_
 async fn decisions_older_than_a_long_postgres_outage_are_flushed_before_redis_is_reported_down() {
     let redis = RedisProc::start();
     let pg = PgProc::start();
-    let stores = Stores::fresh()
-        .redis(&redis.url())
-        .postgres(&pg.base())
-        .with(FAST_TIMEOUT)
-        .with("redis.down_after = \"1s\"\npostgres.acquire_timeout = \"500ms\"")
-        .with("fleet.decide_without_postgres = true");
-    let app = &spawn_app_on(stores).await;
+    let app = &spawn_app_on(through_postgres_outages(&redis, &pg)).await;
     let tokens = issue_likes(app, 10).await;
     wait_fleet(app, 10, "normal").await;
 
@@ -1143,5 +1149,78 @@ async fn a_fresh_instance_s_first_script_is_bounded_too() {
     assert!(
         consumed(&next),
         "the unbounded script consumed the released token for nobody: {next:?}"
+    );
+}
+
+/// A fast client key's consume and a fast token's were two implementations,
+/// and only the token's passed the fleet's gate: a key Redis decided was
+/// not recorded for the going-down flush. With Postgres down (and
+/// `fleet.decide_without_postgres`), a key Redis decides waits in the
+/// journal; when Redis is then lost before the journal drains, only the
+/// flush tells Postgres. Without it, Postgres still held the key released,
+/// and the next consume created it again in the new Redis and won: two
+/// winners of one key. One consume now serves tokens and keys, so the key's
+/// decision goes through the gate and is flushed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fast_key_decided_in_redis_is_flushed_before_redis_is_reported_down() {
+    let mut redis = RedisProc::start();
+    let pg = PgProc::start();
+    let app = &spawn_app_on(through_postgres_outages(&redis, &pg)).await;
+    wait_fleet(app, 10, "normal").await;
+    let key = "order-7-refund";
+    let consume = |rid: &'static str| async move {
+        let body = json!({"biz_type": "like", "key": key, "request_id": rid});
+        let (s, _, body) = answer(app.post(PAYMENTS, "/v1/keys/consume", &body).await).await;
+        let said = body["outcome"].as_str().or(body["error"].as_str());
+        (s, said.map(str::to_owned))
+    };
+    let in_postgres = |state: &'static str| async move {
+        let s: String = sqlx::query_scalar("SELECT state::text FROM tokens WHERE key = $1")
+            .bind(key)
+            .fetch_optional(&app.pg().await)
+            .await
+            .ok()??;
+        (s == state).then_some(())
+    };
+
+    // Consumed and released, both in Postgres: Redis holds it issued.
+    assert!(consumed(&consume("first").await));
+    let (s, _, body) = answer(
+        app.post(
+            PAYMENTS,
+            "/v1/keys/release",
+            &json!({"biz_type": "like", "key": key, "request_id": "first"}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{body}");
+    eventually(15, || in_postgres("issued")).await;
+
+    // Postgres down: Redis decides the key, its journal entry waits.
+    pg.stop_immediate();
+    let won = eventually(10, || async {
+        let x = consume("second").await;
+        (x.0 == StatusCode::OK).then_some(x)
+    })
+    .await;
+    assert!(consumed(&won), "{won:?}");
+    // Redis is lost with the journal; Postgres comes back.
+    redis.kill();
+    tokio::task::block_in_place(|| pg.start_again());
+    wait_fleet(app, 20, "redis_down").await;
+    // A new, empty Redis.
+    tokio::task::block_in_place(|| redis.restart());
+    wait_fleet(app, 20, "normal").await;
+
+    let again = eventually(10, || async {
+        let x = consume("third").await;
+        (x.0 == StatusCode::OK).then_some(x)
+    })
+    .await;
+    assert_eq!(
+        again.1.as_deref(),
+        Some("duplicate"),
+        "decided again: {again:?}"
     );
 }

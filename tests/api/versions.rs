@@ -721,16 +721,15 @@ async fn a_result_applied_before_its_consume_on_another_instance_is_kept() {
     assert!(matches!(won, ScriptOutcome::Won { .. }), "{won:?}");
     let result = json!({"liked": 1});
     let written = fast
-        .fast_write(
+        .write_result(
             &rec.token,
-            "result",
             result.to_string(),
             None,
             &idempotency_ledger::journal::result_fields_for(&rec, &result.to_string()),
         )
         .await
         .expect("result");
-    assert_eq!(written, idempotency_ledger::fast::FastWrite::Recorded);
+    assert_eq!(written, idempotency_ledger::fast::ResultWrite::Recorded);
     let mut entries = take_entries(&mut r, &scratch).await;
     assert_eq!(entries.len(), 2);
     entries.reverse(); // the result first
@@ -793,10 +792,9 @@ async fn fast_consume_release_consume_spread_over_instances_ends_at_the_last_con
         assert_eq!(v.gen, 2 * i as i64 + 1);
         if i == 0 {
             let released = fast
-                .fast_write(
+                .release(
                     &rec.token,
-                    "release",
-                    "60000".into(),
+                    60_000,
                     None,
                     &idempotency_ledger::journal::release_fields_for(&rec),
                 )
@@ -805,7 +803,7 @@ async fn fast_consume_release_consume_spread_over_instances_ends_at_the_last_con
             assert!(
                 matches!(
                     released,
-                    idempotency_ledger::fast::FastWrite::Released { gen: 2, .. }
+                    idempotency_ledger::fast::ReleaseWrite::Released { gen: 2, .. }
                 ),
                 "{released:?}"
             );
