@@ -482,7 +482,7 @@ pub struct RunsParams {
 #[utoipa::path(get, path = "/v1/admin/reconcile/runs", operation_id = "adminReconcileRuns", tag = "admin", params(RunsParams),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "One page; `next_cursor` is null at the end", body = crate::admin::runs::RunsPage, example = json!({"runs": [{"id": "12", "started_at": "2026-12-02T07:30:00Z", "finished_at": "2026-12-02T07:30:05Z", "dry_run": true, "scanned": {"tokens": 120, "orders": 3}, "found": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "repaired": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "inconsistent_orders": [], "redis_ahead_of_postgres": [], "interrupted": false, "errors": []}], "next_cursor": null})),
+        (status = 200, description = "One page; `next_cursor` is null at the end", body = crate::admin::runs::RunsPage, example = json!({"runs": [{"id": "12", "by": "reconciler", "started_at": "2026-12-02T07:30:00Z", "finished_at": "2026-12-02T07:30:05Z", "dry_run": true, "scanned": {"tokens": 120, "orders": 3}, "found": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "repaired": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "inconsistent_orders": [], "redis_ahead_of_postgres": [], "interrupted": false, "errors": []}], "next_cursor": null})),
         (status = 400, description = "invalid_request (limit beyond 100), invalid_cursor", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: not an admin or auditor", body = super::ErrorBody),
@@ -527,7 +527,7 @@ impl BodyLimit for ReconcileRequest {}
     request_body(content = ReconcileRequest, description = "Optional (not required): no body (and no Content-Type) is `{}`, a real run over everything", example = json!({"dry_run": true, "since": "24h"})),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "The report", body = reconcile::Report, example = json!({"id": "12", "started_at": "2026-12-02T07:30:00Z", "finished_at": "2026-12-02T07:30:05Z", "dry_run": true, "scanned": {"tokens": 120, "orders": 3}, "found": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "repaired": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "inconsistent_orders": [], "redis_ahead_of_postgres": [], "interrupted": false, "errors": []})),
+        (status = 200, description = "The report", body = reconcile::Report, example = json!({"id": "12", "by": "reconciler", "started_at": "2026-12-02T07:30:00Z", "finished_at": "2026-12-02T07:30:05Z", "dry_run": true, "scanned": {"tokens": 120, "orders": 3}, "found": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "repaired": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "inconsistent_orders": [], "redis_ahead_of_postgres": [], "interrupted": false, "errors": []})),
         (status = 400, description = "invalid_request", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: needs admin or reconciler", body = super::ErrorBody),
@@ -554,6 +554,7 @@ pub async fn run_reconcile(
             &reconcile::Options {
                 dry_run: body.dry_run,
                 since,
+                by: caller.name.clone(),
             },
             &progress,
             &CancellationToken::new(),
