@@ -414,6 +414,41 @@ async fn every_divergence_class_dry_run_then_repair_then_nothing() {
     }
     let dup = answer(app.consume(PAYMENTS, &d, &json!({"subject": "u-d"})).await).await;
     assert_eq!(dup.2["outcome"], "duplicate", "D consumed once: {dup:?}");
+
+    // The recorded runs (newest first: again, real, dry) keep the
+    // inconsistent orders' ids and problems, and who asked.
+    let (s, _, runs) = answer(app.get(AUDITOR, "/v1/admin/reconcile/runs").await).await;
+    assert_eq!(s, StatusCode::OK, "{runs}");
+    let runs = runs["runs"].as_array().expect("runs");
+    let dry_runs: Vec<&Value> = runs.iter().map(|r| &r["dry_run"]).collect();
+    assert_eq!(dry_runs, [&json!(false), &json!(false), &json!(true)]);
+    let ids: Vec<String> = [&again, &real, &dry]
+        .iter()
+        .map(|r| r.id.clone().expect("recorded"))
+        .collect();
+    let listed: Vec<&str> = runs.iter().filter_map(|r| r["id"].as_str()).collect();
+    assert_eq!(listed, ids);
+    for run in runs {
+        assert_eq!(
+            run["inconsistent_orders"],
+            json!(["o-amounts", "o-nopaid"]),
+            "{run}"
+        );
+        let problems: Vec<&Value> = run["order_problems"]
+            .as_array()
+            .expect("order_problems")
+            .iter()
+            .map(|o| &o["order_id"])
+            .collect();
+        assert_eq!(problems, [&json!("o-amounts"), &json!("o-nopaid")]);
+        assert!(
+            run["order_problems"][1]["problems"][0]
+                .as_str()
+                .is_some_and(|p| p.contains("without an order.paid")),
+            "{run}"
+        );
+        assert_eq!(run["by"], "cli", "{run}");
+    }
     let gone = answer(
         app.consume(PAYMENTS, &f1, &json!({"subject": "u-old"}))
             .await,
