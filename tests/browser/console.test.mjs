@@ -394,8 +394,35 @@ test('the audit trail: filters, pages, and exports what is shown as CSV and NDJS
   let rows = await page.locator('#audit-table tbody tr').evaluateAll((trs) => trs.map((t) => [t.dataset.id, t.dataset.kind]));
   assert.deepEqual(rows, filtered.events.map((e) => [e.id, 'token.consumed']));
 
+  // Filter: one client and two kinds, sent as `client=` and a repeated `kind=`.
+  await page.fill('#f-subject', '');
+  await page.fill('#f-client', 'payments');
+  await page.selectOption('#f-kind', ['token.consumed', 'key.consumed']);
+  const [sent] = await Promise.all([
+    page.waitForRequest((r) => new URL(r.url()).pathname === '/v1/admin/audit'),
+    page.click('#audit-form button[type=submit]'),
+  ]);
+  const params = new URL(sent.url()).searchParams;
+  assert.equal(params.get('client'), 'payments');
+  assert.deepEqual(params.getAll('kind'), ['token.consumed', 'key.consumed']);
+  const twoKinds = await ok('GET', '/v1/admin/audit?client=payments&kind=token.consumed&kind=key.consumed', { key: ADMIN_KEY });
+  // Tokens A and B and the client key; the order's payment is an order.paid.
+  assert.deepEqual(twoKinds.events.map((e) => e.kind).sort(), ['key.consumed', 'token.consumed', 'token.consumed']);
+  assert.ok(twoKinds.events.every((e) => e.client === 'payments'));
+  await page.waitForFunction((n) => document.querySelectorAll('#audit-table tbody tr').length === n
+    && document.querySelector('#audit-table tbody tr[data-kind="key.consumed"]'), twoKinds.events.length);
+  rows = await page.locator('#audit-table tbody tr').evaluateAll((trs) => trs.map((t) => [t.dataset.id, t.dataset.kind]));
+  assert.deepEqual(rows, twoKinds.events.map((e) => [e.id, e.kind]));
+  // No event of another client: an empty page.
+  assert.deepEqual((await ok('GET', '/v1/admin/audit?client=refunds', { key: ADMIN_KEY })).events, []);
+  await page.fill('#f-client', 'refunds');
+  await page.click('#audit-form button[type=submit]');
+  await page.locator('#audit-count', { hasText: '0 events shown' }).waitFor();
+  await page.fill('#f-client', '');
+  await page.fill('#f-subject', SUBJECT);
+
   // Paging: 3 a page, follow next_cursor.
-  await page.selectOption('#f-kind', '');
+  await page.selectOption('#f-kind', []);
   await page.fill('#f-limit', '3');
   await page.click('#audit-form button[type=submit]');
   await page.locator('#audit-more').waitFor();

@@ -126,10 +126,13 @@ async function api(path, { auth = true } = {}) {
   return { status: resp.status, ok: resp.ok, body };
 }
 
-function query(params) {
+/** A query string; a list repeats its key (`kind=a&kind=b`), empty values are left out. */
+export function query(params) {
   const q = new URLSearchParams();
   for (const [k, v] of Object.entries(params)) {
-    if (v !== undefined && v !== null && String(v) !== '') q.set(k, String(v));
+    for (const one of Array.isArray(v) ? v : [v]) {
+      if (one !== undefined && one !== null && String(one) !== '') q.append(k, String(one));
+    }
   }
   const t = q.toString();
   return t ? `?${t}` : '';
@@ -504,7 +507,8 @@ async function auditSearch(ev) {
       subject: String(f.get('subject') ?? '').trim(),
       biz_type: String(f.get('biz_type') ?? '').trim(),
       order_id: String(f.get('order_id') ?? '').trim(),
-      kind: String(f.get('kind') ?? ''),
+      client: String(f.get('client') ?? '').trim(),
+      kind: f.getAll('kind').map(String),
       since: toRfc3339(String(f.get('since') ?? ''), 'Since'),
       until: toRfc3339(String(f.get('until') ?? ''), 'Until'),
       limit,
