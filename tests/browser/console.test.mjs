@@ -5,8 +5,9 @@
 // makes a known history over HTTP (a token consumed once and once more as a
 // duplicate, a token released by an operator, a client key, an order paid
 // and its payment presented again),
-// then drives the console: log in, look the token, key and order up, filter,
-// page and export the audit trail, read the dashboard's duplicate rate.
+// then drives the console: log in, look the token, key and order up, filter
+// (by subject, client and several kinds), page and export the audit trail,
+// read the dashboard's duplicate rate and its last sealed checkpoint.
 //
 // Run: npm ci && node --test console.test.mjs   (in tests/browser)
 // Needs Debian's chromium (/usr/bin/chromium, or CHROMIUM=path), Postgres
@@ -493,6 +494,9 @@ test('the dashboard: duplicate rate per biz type against the 5 % line, the fleet
   const seal = await http('GET', '/v1/admin/audit/seal', { key: ADMIN_KEY });
   if (seal.status === 200) {
     await page.locator('#panel-seal [data-checkpoint]').waitFor();
+    // What is shown is the last sealed checkpoint; verifying is the CLI's.
+    assert.equal(await page.locator('#panel-seal h3').textContent(), 'Last sealed checkpoint');
+    assert.match(await page.locator('#panel-seal .seal-note').textContent(), /does not verify.*audit verify/s);
   } else {
     await page.locator('#panel-seal .unavailable').waitFor();
   }

@@ -772,13 +772,14 @@ function renderSeal(res) {
   }
   clear(el,
     facts([
-      ['last checkpoint', h('span', { 'data-checkpoint': c.id }, `#${c.id}`)],
+      ['checkpoint', h('span', { 'data-checkpoint': c.id }, `#${c.id}`)],
       ['sealed', fmtTime(c.sealed_at)],
       ['events', `${fmtInt(c.events)} (ids ${c.first_event_id} to ${c.last_event_id})`],
       ['digest', h('span', { class: 'mono', title: c.digest }, `${String(c.digest).slice(0, 16)}…`)],
     ]),
-    h('p', { class: 'muted' }, 'Events after this checkpoint are sealed by the next one. ',
-      h('code', {}, 'idempotency-ledger audit verify'), ' recomputes every checkpoint and names the first that no longer matches.'));
+    h('p', { class: 'muted seal-note' }, 'The newest checkpoint sealed, as the service reports it: this page does not verify it. ',
+      h('code', {}, 'idempotency-ledger audit verify'), ' recomputes every checkpoint and names the first that no longer matches. ',
+      'Events after this checkpoint are sealed by the next one.'));
 }
 
 function renderUncertain(res) {
