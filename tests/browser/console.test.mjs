@@ -514,6 +514,11 @@ test('the dashboard: duplicate rate per biz type against the 5 % line, the fleet
     // The run the setup made, found nothing to do on this fresh history.
     assert.equal(await page.locator('#panel-runs tbody tr').count(), runs.body.runs.length);
     assert.ok(runs.body.runs.length >= 1);
+    if (runs.body.runs[0].by !== undefined) {
+      // Asked for over HTTP with the admin key: the run names that client.
+      assert.equal(runs.body.runs[0].by, 'admin');
+      assert.equal(await page.locator('#panel-runs tbody tr .run-by').first().textContent(), 'admin');
+    }
   }
   await shot(page, 'dashboard');
   await shot(page, 'dashboard-full', { fullPage: true });
@@ -527,7 +532,7 @@ test('the uncertain queue and the reconcile runs as API.md shapes them (stubbed 
   const classes = { redis_live_but_consumed: 0, redis_missing_but_live: 0, stale_provisional: 0, journal_not_durable: 0,
     order_inconsistent: 1, expired_purgeable: 2, redis_consumed_but_live: 0, redis_ahead_of_postgres: 0 };
   await page.route('**/v1/admin/reconcile/runs*', (r) => r.fulfill({ status: 200, contentType: 'application/json',
-    body: JSON.stringify({ runs: [{ id: '7', started_at: at, finished_at: at, dry_run: false, scanned: { tokens: 12, orders: 3 },
+    body: JSON.stringify({ runs: [{ id: '7', by: 'reconciler', started_at: at, finished_at: at, dry_run: false, scanned: { tokens: 12, orders: 3 },
       found: classes, repaired: { ...classes, order_inconsistent: 0 }, inconsistent_orders: [made.order],
       order_problems: [{ order_id: made.order, problems: ['paid without its token consumed'] }],
       redis_ahead_of_postgres: [], interrupted: false, errors: [] }], next_cursor: null }) }));
@@ -540,6 +545,7 @@ test('the uncertain queue and the reconcile runs as API.md shapes them (stubbed 
   await run.waitFor();
   assert.equal(await run.getAttribute('class'), 'over');
   assert.match(await run.textContent(), /12 tokens, 3 orders.*order_inconsistent: 1.*expired_purgeable: 2/s);
+  assert.equal(await run.locator('.run-by').textContent(), 'reconciler');
   assert.match(await run.locator('td:last-child').textContent(), /ord-1001: paid without its token consumed/);
   await page.unrouteAll();
 });

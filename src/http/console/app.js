@@ -832,7 +832,7 @@ function renderRuns(res) {
       const errors = r.errors ?? [];
       return h('tr', { class: r.found?.order_inconsistent || errors.length ? 'over' : '' },
         h('td', { class: 'nowrap' }, fmtTime(r.finished_at ?? r.started_at)),
-        h('td', {}, r.dry_run ? 'dry run' : 'run', r.interrupted ? [' ', h('span', { class: 'badge state-uncertain' }, 'interrupted')] : null,
+        h('td', {}, r.dry_run ? 'dry run' : 'run', r.by ? [' by ', h('span', { class: 'run-by' }, r.by)] : null, r.interrupted ? [' ', h('span', { class: 'badge state-uncertain' }, 'interrupted')] : null,
           errors.map((e) => h('div', { class: 'error' }, e))),
         h('td', {}, r.scanned ? `${fmtInt(r.scanned.tokens)} tokens, ${fmtInt(r.scanned.orders)} orders` : '—'),
         h('td', {}, found.length ? found.map(([k, n]) => h('span', { class: 'chip' }, `${k}: ${n}`)) : 'nothing'),
