@@ -18,8 +18,9 @@ pub const MAX_RUNS: u32 = 100;
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct RunsPage {
     /// Newest first: each the report of `POST /v1/admin/reconcile` with its
-    /// `id`, `inconsistent_orders` as the orders' ids and their problems in
-    /// `order_problems`.
+    /// `id`, `by` (who asked: a client's name, `cli` for the subcommand;
+    /// null for a run recorded before it was kept), `inconsistent_orders`
+    /// as the orders' ids and their problems in `order_problems`.
     #[schema(value_type = Vec<Object>)]
     pub runs: Vec<Json>,
     /// Pass as `cursor` for the next (older) page; null at the end.
@@ -64,6 +65,7 @@ fn run_view(run: RecordedRun) -> Json {
     let mut view = run.report.clone().unwrap_or_else(|| {
         // Recorded before whole reports were kept: its counts alone.
         json!({
+            "by": null,
             "started_at": time(run.started_at),
             "finished_at": time(run.finished_at),
             "dry_run": run.dry_run,
@@ -88,8 +90,54 @@ fn run_view(run: RecordedRun) -> Json {
             })
             .unwrap_or_default();
         map.insert("id".to_owned(), Json::from(run.id.to_string()));
+        map.entry("by").or_insert(Json::Null);
         map.insert("inconsistent_orders".to_owned(), Json::from(ids));
         map.insert("order_problems".to_owned(), problems);
     }
     view
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn recorded(report: Option<Json>) -> RecordedRun {
+        let at = chrono::DateTime::<chrono::Utc>::UNIX_EPOCH;
+        RecordedRun {
+            id: 7,
+            started_at: at,
+            finished_at: at,
+            dry_run: false,
+            interrupted: false,
+            errors: json!([]),
+            found: json!({}),
+            repaired: json!({}),
+            report,
+        }
+    }
+
+    #[test]
+    fn a_run_shows_who_asked_and_its_orders_ids() {
+        let view = run_view(recorded(Some(json!({
+            "id": "7",
+            "by": "ops-alice",
+            "inconsistent_orders": [{"order_id": "o-1", "problems": ["p"]}],
+        }))));
+        assert_eq!(view["id"], "7");
+        assert_eq!(view["by"], "ops-alice");
+        assert_eq!(view["inconsistent_orders"], json!(["o-1"]));
+        assert_eq!(
+            view["order_problems"],
+            json!([{"order_id": "o-1", "problems": ["p"]}])
+        );
+    }
+
+    #[test]
+    fn a_run_recorded_without_by_shows_null() {
+        let old_report = run_view(recorded(Some(json!({"inconsistent_orders": []}))));
+        assert_eq!(old_report["by"], Json::Null);
+        let counts_only = run_view(recorded(None));
+        assert_eq!(counts_only["by"], Json::Null);
+        assert_eq!(counts_only["id"], "7");
+    }
 }

@@ -271,6 +271,7 @@ pub async fn reconcile(settings: &Settings, args: ReconcileArgs) -> ExitCode {
     let opts = reconcile::Options {
         dry_run: args.dry_run,
         since: args.since,
+        by: reconcile::BY_CLI.to_owned(),
     };
     let out = reconciler.run(&opts, progress.as_ref(), &cancel).await;
     signals.abort();

@@ -266,11 +266,13 @@ pub async fn count_purgeable(
 /// Deletes one batch of purgeable records, each with its `reconcile.repaired`
 /// audit row, in one statement. Returns how many were deleted (0: done).
 /// Records bound to an order are kept: they are the order's proof of payment.
+/// `by` (who asked for the run) goes into each audit row's detail.
 pub async fn purge_batch(
     pool: &PgPool,
     kind: PurgeKind,
     retention_secs: f64,
     limit: i64,
+    by: &str,
 ) -> Result<u64, DurableError> {
     let n: i64 = sqlx::query_scalar(&format!(
         r#"
@@ -288,7 +290,7 @@ pub async fn purge_batch(
                        'class', 'expired_purgeable', 'action', 'purged',
                        'state', d.state::text, 'consumed_at', d.consumed_at,
                        'expires_at', CASE WHEN d.key IS NULL THEN d.expires_at END,
-                       'key', d.key))
+                       'key', d.key, 'by', $3::text))
               FROM del d
         )
         SELECT count(*) FROM del
@@ -297,6 +299,7 @@ pub async fn purge_batch(
     ))
     .bind(retention_secs)
     .bind(limit)
+    .bind(by)
     .fetch_one(pool)
     .await?;
     Ok(u64::try_from(n).unwrap_or(0))
@@ -316,8 +319,13 @@ pub struct Repair {
     pub count: Option<i64>,
 }
 
-/// Writes the audit rows of a batch of repairs in one statement.
-pub async fn record_repairs(pool: &PgPool, repairs: &[Repair]) -> Result<(), DurableError> {
+/// Writes the audit rows of a batch of repairs in one statement; `by` (who
+/// asked for the run) goes into each one's detail.
+pub async fn record_repairs(
+    pool: &PgPool,
+    by: &str,
+    repairs: &[Repair],
+) -> Result<(), DurableError> {
     if repairs.is_empty() {
         return Ok(());
     }
@@ -344,7 +352,7 @@ pub async fn record_repairs(pool: &PgPool, repairs: &[Repair]) -> Result<(), Dur
         INSERT INTO audit_events (kind, token_id, token, subject, biz_type, client, detail)
         SELECT 'reconcile.repaired', r.id, r.token, r.subject, r.biz_type, r.client,
                jsonb_strip_nulls(jsonb_build_object('class', r.class, 'action', r.action,
-                                                    'entries', r.n))
+                                                    'entries', r.n, 'by', $9::text))
           FROM UNNEST($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
                       $7::text[], $8::bigint[])
                AS r(id, token, subject, biz_type, client, class, action, n)
@@ -358,6 +366,7 @@ pub async fn record_repairs(pool: &PgPool, repairs: &[Repair]) -> Result<(), Dur
     .bind(&classes)
     .bind(&actions)
     .bind(&counts)
+    .bind(by)
     .execute(pool)
     .await?;
     Ok(())
@@ -385,8 +394,7 @@ impl RunRecord {
     }
 }
 
-/// Records a run (one row).
-/// Records a run; its id.
+/// Records a run (one row, its whole report with `by` included); its id.
 pub async fn record_run(pool: &PgPool, run: &RunRecord) -> Result<i64, DurableError> {
     let id: i64 = sqlx::query_scalar(
         "INSERT INTO reconcile_runs

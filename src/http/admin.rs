@@ -82,16 +82,39 @@ impl FromRequest for ReaderCaller {
     fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
         let caller = authorize(req, &[Role::Admin, Role::Auditor]);
         if let Ok(client) = &caller {
-            tracing::info!(
-                client = %client.name,
-                role = ?client.role,
-                route = req.match_pattern().as_deref().unwrap_or(""),
-                query = req.query_string(),
-                "admin read"
-            );
+            log_read(client, req);
         }
         std::future::ready(caller.map(ReaderCaller))
     }
+}
+
+/// The "admin read" line: the client, the route, what its path names
+/// ([`path_args`]) and the query (a client key's and an order's reads name
+/// them there).
+fn log_read(client: &Client, req: &HttpRequest) {
+    tracing::info!(
+        client = %client.name,
+        role = ?client.role,
+        route = req.match_pattern().as_deref().unwrap_or(""),
+        args = %path_args(req.match_info().iter()),
+        query = req.query_string(),
+        "admin read"
+    );
+}
+
+/// A route's path arguments as `name="value"` pairs (quoted and escaped),
+/// with a token shortened as everywhere in the logs (its biz prefix and last
+/// 4 characters): a whole token is never logged at info level.
+fn path_args<'a>(args: impl Iterator<Item = (&'a str, &'a str)>) -> String {
+    args.map(|(name, value)| {
+        if name == "token" {
+            format!("{name}={:?}", crate::token::codec::redact(value))
+        } else {
+            format!("{name}={value:?}")
+        }
+    })
+    .collect::<Vec<_>>()
+    .join(" ")
 }
 
 /// A caller with the admin role (401, then 403).
@@ -482,7 +505,7 @@ pub struct RunsParams {
 #[utoipa::path(get, path = "/v1/admin/reconcile/runs", operation_id = "adminReconcileRuns", tag = "admin", params(RunsParams),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "One page; `next_cursor` is null at the end", body = crate::admin::runs::RunsPage, example = json!({"runs": [{"id": "12", "started_at": "2026-12-02T07:30:00Z", "finished_at": "2026-12-02T07:30:05Z", "dry_run": true, "scanned": {"tokens": 120, "orders": 3}, "found": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "repaired": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "inconsistent_orders": [], "redis_ahead_of_postgres": [], "interrupted": false, "errors": []}], "next_cursor": null})),
+        (status = 200, description = "One page; `next_cursor` is null at the end", body = crate::admin::runs::RunsPage, example = json!({"runs": [{"id": "12", "by": "reconciler", "started_at": "2026-12-02T07:30:00Z", "finished_at": "2026-12-02T07:30:05Z", "dry_run": true, "scanned": {"tokens": 120, "orders": 3}, "found": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "repaired": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "inconsistent_orders": [], "redis_ahead_of_postgres": [], "interrupted": false, "errors": []}], "next_cursor": null})),
         (status = 400, description = "invalid_request (limit beyond 100), invalid_cursor", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: not an admin or auditor", body = super::ErrorBody),
@@ -527,7 +550,7 @@ impl BodyLimit for ReconcileRequest {}
     request_body(content = ReconcileRequest, description = "Optional (not required): no body (and no Content-Type) is `{}`, a real run over everything", example = json!({"dry_run": true, "since": "24h"})),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "The report", body = reconcile::Report, example = json!({"id": "12", "started_at": "2026-12-02T07:30:00Z", "finished_at": "2026-12-02T07:30:05Z", "dry_run": true, "scanned": {"tokens": 120, "orders": 3}, "found": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "repaired": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "inconsistent_orders": [], "redis_ahead_of_postgres": [], "interrupted": false, "errors": []})),
+        (status = 200, description = "The report", body = reconcile::Report, example = json!({"id": "12", "by": "reconciler", "started_at": "2026-12-02T07:30:00Z", "finished_at": "2026-12-02T07:30:05Z", "dry_run": true, "scanned": {"tokens": 120, "orders": 3}, "found": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "repaired": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "inconsistent_orders": [], "redis_ahead_of_postgres": [], "interrupted": false, "errors": []})),
         (status = 400, description = "invalid_request", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: needs admin or reconciler", body = super::ErrorBody),
@@ -554,10 +577,81 @@ pub async fn run_reconcile(
             &reconcile::Options {
                 dry_run: body.dry_run,
                 since,
+                by: caller.name.clone(),
             },
             &progress,
             &CancellationToken::new(),
         )
         .await?;
     Ok(HttpResponse::Ok().json(report))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::num::NonZeroU32;
+    use std::sync::{Arc, Mutex};
+
+    use actix_web::test::TestRequest;
+
+    use super::*;
+
+    const TOKEN: &str = "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx";
+
+    #[test]
+    fn path_arguments_name_what_was_read_with_a_token_shortened() {
+        assert_eq!(path_args(std::iter::empty()), "");
+        assert_eq!(
+            path_args([("token", TOKEN)].into_iter()),
+            r#"token="order_…h2Lx""#
+        );
+        assert_eq!(
+            path_args([("order_id", "o-1\n\"x")].into_iter()),
+            r#"order_id="o-1\n\"x""#
+        );
+    }
+
+    /// A writer the test reads back.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0
+                .lock()
+                .map_err(|_| std::io::ErrorKind::Other)?
+                .extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_admin_read_line_names_the_client_and_the_token_shortened() {
+        let out = Captured::default();
+        let writer = out.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::INFO)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        let client = Client {
+            name: "audit-team".to_owned(),
+            role: Role::Auditor,
+            key_sha256: [0; 32],
+            biz_types: Vec::new(),
+            rate: NonZeroU32::MIN,
+        };
+        let req = TestRequest::with_uri(&format!("/v1/admin/tokens/{TOKEN}"))
+            .param("token", TOKEN)
+            .to_http_request();
+        tracing::subscriber::with_default(subscriber, || log_read(&client, &req));
+        let line = String::from_utf8(out.0.lock().expect("log").clone()).expect("utf-8");
+        assert!(line.contains("admin read"), "{line}");
+        assert!(line.contains("client=audit-team"), "{line}");
+        assert!(line.contains(r#"args=token="order_…h2Lx""#), "{line}");
+        assert!(!line.contains(TOKEN), "a whole token at info level: {line}");
+    }
 }

@@ -44,6 +44,7 @@ impl Run<'_> {
             }
             sql::record_repairs(
                 self.pool(),
+                &self.opts.by,
                 &[Repair {
                     class: Class::JournalNotDurable.as_str(),
                     action: "written",

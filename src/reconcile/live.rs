@@ -107,7 +107,7 @@ impl Run<'_> {
                         count: None,
                     });
                 }
-                sql::record_repairs(self.pool(), &repairs).await?;
+                sql::record_repairs(self.pool(), &self.opts.by, &repairs).await?;
                 if let Some(e) = failed {
                     return Err(e);
                 }

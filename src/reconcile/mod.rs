@@ -25,7 +25,7 @@
 //!    own expiry) are deleted in batches; they then answer `token_expired`.
 //!
 //! Every repair writes a `reconcile.repaired` audit event whose detail names
-//! the class. Every Redis repair is one script on one key that checks the
+//! the class and who asked for the run (`by`, also in the report). Every Redis repair is one script on one key that checks the
 //! state and generation it expects first, so a repair racing live traffic
 //! does nothing rather than something wrong. No repair makes a token live
 //! that Postgres holds consumed. Journal entries that can never apply (the
@@ -70,14 +70,33 @@ pub enum ReconcileError {
     Postgres(#[from] DurableError),
 }
 
-/// What to do.
-#[derive(Debug, Clone, Default)]
+/// What to do. The default is the `reconcile` subcommand without flags: a
+/// real run over everything, `by` [`BY_CLI`].
+#[derive(Debug, Clone)]
 pub struct Options {
     /// Find and report only; change nothing.
     pub dry_run: bool,
     /// Only tokens issued, and orders updated, this recently (the journal and
     /// the retention purge are always whole).
     pub since: Option<Duration>,
+    /// Who asked, kept in the report (`by`) and in the detail of the run's
+    /// `reconcile.repaired` events: the acting client's name over HTTP,
+    /// [`BY_CLI`] for the `reconcile` subcommand.
+    pub by: String,
+}
+
+/// `by` of a run the `reconcile` subcommand started (by hand or by a
+/// scheduler: the CLI cannot tell them apart).
+pub const BY_CLI: &str = "cli";
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            dry_run: false,
+            since: None,
+            by: BY_CLI.to_owned(),
+        }
+    }
 }
 
 /// Runs reconciliations. Cheap to build; holds the admin pool.

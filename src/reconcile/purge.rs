@@ -24,7 +24,9 @@ impl Run<'_> {
                 if self.cancel.is_cancelled() {
                     return Ok(());
                 }
-                let n = sql::purge_batch(self.pool(), kind, secs, self.r.batch as i64).await?;
+                let n =
+                    sql::purge_batch(self.pool(), kind, secs, self.r.batch as i64, &self.opts.by)
+                        .await?;
                 if n == 0 {
                     break;
                 }

@@ -209,6 +209,10 @@ pub struct Report {
     /// The run's id in the recorded runs (`GET /v1/admin/reconcile/runs`);
     /// null when it could not be recorded.
     pub id: Option<String>,
+    /// Who asked: the acting client's name for `POST /v1/admin/reconcile`,
+    /// `cli` for the `reconcile` subcommand.
+    #[schema(example = "reconciler")]
+    pub by: String,
     #[schema(value_type = String, format = DateTime)]
     pub started_at: String,
     #[schema(value_type = String, format = DateTime)]

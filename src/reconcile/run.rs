@@ -55,7 +55,7 @@ impl Reconciler {
             return Err(ReconcileError::Running);
         }
         let started = self.clock.now();
-        tracing::info!(dry_run = opts.dry_run, since = ?opts.since, "reconcile: started");
+        tracing::info!(dry_run = opts.dry_run, since = ?opts.since, by = %opts.by, "reconcile: started");
         let mut run = Run {
             r: self,
             opts,
@@ -77,6 +77,7 @@ impl Reconciler {
         let finished = self.clock.now();
         let mut report = Report {
             id: None,
+            by: opts.by.clone(),
             started_at: crate::admin::time(started),
             finished_at: crate::admin::time(finished),
             dry_run: opts.dry_run,

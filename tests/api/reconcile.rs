@@ -10,7 +10,7 @@ use idempotency_ledger::durable::Pools;
 use idempotency_ledger::fast::FastTier;
 use idempotency_ledger::metrics::Metrics;
 use idempotency_ledger::reconcile::{
-    Class, Classes, Options, Phase, Progress, Quiet, ReconcileError, Reconciler, Report,
+    Class, Classes, Options, Phase, Progress, Quiet, ReconcileError, Reconciler, Report, BY_CLI,
 };
 use idempotency_ledger::token::{Clock, SystemClock};
 use redis::AsyncCommands;
@@ -55,6 +55,7 @@ pub(crate) async fn run_on((r, pools): (Reconciler, Pools), dry_run: bool) -> Re
             &Options {
                 dry_run,
                 since: None,
+                by: BY_CLI.to_owned(),
             },
             &Quiet,
             &CancellationToken::new(),
@@ -390,6 +391,13 @@ async fn every_divergence_class_dry_run_then_repair_then_nothing() {
             ("stale_provisional", 1),
         ]
     );
+    let by: Vec<Option<String>> = sqlx::query_scalar(
+        "SELECT DISTINCT detail->>'by' FROM audit_events WHERE kind = 'reconcile.repaired'",
+    )
+    .fetch_all(&pg)
+    .await
+    .expect("by");
+    assert_eq!(by, [Some("cli".to_owned())], "who asked, in every repair");
 
     // Right after: nothing left to repair; the orders are still reported.
     let again = run(&stores, false).await;
@@ -406,6 +414,41 @@ async fn every_divergence_class_dry_run_then_repair_then_nothing() {
     }
     let dup = answer(app.consume(PAYMENTS, &d, &json!({"subject": "u-d"})).await).await;
     assert_eq!(dup.2["outcome"], "duplicate", "D consumed once: {dup:?}");
+
+    // The recorded runs (newest first: again, real, dry) keep the
+    // inconsistent orders' ids and problems, and who asked.
+    let (s, _, runs) = answer(app.get(AUDITOR, "/v1/admin/reconcile/runs").await).await;
+    assert_eq!(s, StatusCode::OK, "{runs}");
+    let runs = runs["runs"].as_array().expect("runs");
+    let dry_runs: Vec<&Value> = runs.iter().map(|r| &r["dry_run"]).collect();
+    assert_eq!(dry_runs, [&json!(false), &json!(false), &json!(true)]);
+    let ids: Vec<String> = [&again, &real, &dry]
+        .iter()
+        .map(|r| r.id.clone().expect("recorded"))
+        .collect();
+    let listed: Vec<&str> = runs.iter().filter_map(|r| r["id"].as_str()).collect();
+    assert_eq!(listed, ids);
+    for run in runs {
+        assert_eq!(
+            run["inconsistent_orders"],
+            json!(["o-amounts", "o-nopaid"]),
+            "{run}"
+        );
+        let problems: Vec<&Value> = run["order_problems"]
+            .as_array()
+            .expect("order_problems")
+            .iter()
+            .map(|o| &o["order_id"])
+            .collect();
+        assert_eq!(problems, [&json!("o-amounts"), &json!("o-nopaid")]);
+        assert!(
+            run["order_problems"][1]["problems"][0]
+                .as_str()
+                .is_some_and(|p| p.contains("without an order.paid")),
+            "{run}"
+        );
+        assert_eq!(run["by"], "cli", "{run}");
+    }
     let gone = answer(
         app.consume(PAYMENTS, &f1, &json!({"subject": "u-old"}))
             .await,
@@ -440,6 +483,7 @@ async fn dry_run_and_since_over_http_and_cli_change_nothing() {
     let (s, _, body) = answer(resp).await;
     assert_eq!(s, StatusCode::OK, "{body}");
     assert_eq!(body["dry_run"], true);
+    assert_eq!(body["by"], "admin", "the acting client: {body}");
     assert_eq!(body["found"]["redis_missing_but_live"], 1, "{body}");
     assert_eq!(body["repaired"]["redis_missing_but_live"], 0);
     for k in ["started_at", "finished_at"] {
@@ -458,6 +502,7 @@ async fn dry_run_and_since_over_http_and_cli_change_nothing() {
     );
     let report: Value = serde_json::from_slice(&out.stdout).expect("json report");
     assert_eq!(report["found"]["redis_missing_but_live"], 0, "{report}");
+    assert_eq!(report["by"], "cli", "{report}");
 
     let out = cli(&config, &["reconcile", "--dry-run", "--format", "text"]).await;
     assert_eq!(out.status.code(), Some(0));
@@ -494,9 +539,44 @@ async fn dry_run_and_since_over_http_and_cli_change_nothing() {
     assert_eq!(body["dry_run"], false, "{body}");
     assert_eq!(s, StatusCode::OK, "{body}");
     assert_eq!(body["repaired"]["redis_missing_but_live"], 1, "{body}");
+    assert_eq!(body["by"], "reconciler", "{body}");
     assert_eq!(
         state_of(&mut r, &app.token_key(&token)).await.as_deref(),
         Some("i")
+    );
+    // Its repair names who asked.
+    let by: Vec<(String, Option<String>)> = sqlx::query_as(
+        "SELECT detail->>'class', detail->>'by' FROM audit_events
+          WHERE kind = 'reconcile.repaired' ORDER BY id",
+    )
+    .fetch_all(&pg)
+    .await
+    .expect("repairs");
+    assert_eq!(
+        by,
+        [(
+            "redis_missing_but_live".to_owned(),
+            Some("reconciler".to_owned())
+        )]
+    );
+    // And so do the recorded runs, newest first (the refused POST ran nothing).
+    let (s, _, runs) = answer(app.get(AUDITOR, "/v1/admin/reconcile/runs").await).await;
+    assert_eq!(s, StatusCode::OK, "{runs}");
+    let by: Vec<&Value> = runs["runs"]
+        .as_array()
+        .expect("runs")
+        .iter()
+        .map(|r| &r["by"])
+        .collect();
+    assert_eq!(
+        by,
+        [
+            &json!("reconciler"),
+            &json!("cli"),
+            &json!("cli"),
+            &json!("admin")
+        ],
+        "{runs}"
     );
     app.stop().await;
 }

@@ -12,7 +12,7 @@ use idempotency_ledger::durable::tokens::{ConsumeRow, TokenRecord};
 use idempotency_ledger::durable::Pools;
 use idempotency_ledger::fast::{Attempt, ConsumeMode, ConsumedWrite, FastTier, Marker};
 use idempotency_ledger::metrics::Metrics;
-use idempotency_ledger::reconcile::{Class, Options, Quiet, Reconciler};
+use idempotency_ledger::reconcile::{Class, Options, Quiet, Reconciler, BY_CLI};
 use idempotency_ledger::token::{Clock, SystemClock};
 use redis::AsyncCommands;
 use reqwest::StatusCode;
@@ -298,6 +298,7 @@ async fn a_write_back_pipeline_that_fails_leaves_reconcile_able_to_repair() {
             &Options {
                 dry_run: false,
                 since: None,
+                by: BY_CLI.to_owned(),
             },
             &Quiet,
             &CancellationToken::new(),

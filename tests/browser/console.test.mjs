@@ -5,8 +5,9 @@
 // makes a known history over HTTP (a token consumed once and once more as a
 // duplicate, a token released by an operator, a client key, an order paid
 // and its payment presented again),
-// then drives the console: log in, look the token, key and order up, filter,
-// page and export the audit trail, read the dashboard's duplicate rate.
+// then drives the console: log in, look the token, key and order up, filter
+// (by subject, client and several kinds), page and export the audit trail,
+// read the dashboard's duplicate rate and its last sealed checkpoint.
 //
 // Run: npm ci && node --test console.test.mjs   (in tests/browser)
 // Needs Debian's chromium (/usr/bin/chromium, or CHROMIUM=path), Postgres
@@ -394,8 +395,35 @@ test('the audit trail: filters, pages, and exports what is shown as CSV and NDJS
   let rows = await page.locator('#audit-table tbody tr').evaluateAll((trs) => trs.map((t) => [t.dataset.id, t.dataset.kind]));
   assert.deepEqual(rows, filtered.events.map((e) => [e.id, 'token.consumed']));
 
+  // Filter: one client and two kinds, sent as `client=` and a repeated `kind=`.
+  await page.fill('#f-subject', '');
+  await page.fill('#f-client', 'payments');
+  await page.selectOption('#f-kind', ['token.consumed', 'key.consumed']);
+  const [sent] = await Promise.all([
+    page.waitForRequest((r) => new URL(r.url()).pathname === '/v1/admin/audit'),
+    page.click('#audit-form button[type=submit]'),
+  ]);
+  const params = new URL(sent.url()).searchParams;
+  assert.equal(params.get('client'), 'payments');
+  assert.deepEqual(params.getAll('kind'), ['token.consumed', 'key.consumed']);
+  const twoKinds = await ok('GET', '/v1/admin/audit?client=payments&kind=token.consumed&kind=key.consumed', { key: ADMIN_KEY });
+  // Tokens A and B and the client key; the order's payment is an order.paid.
+  assert.deepEqual(twoKinds.events.map((e) => e.kind).sort(), ['key.consumed', 'token.consumed', 'token.consumed']);
+  assert.ok(twoKinds.events.every((e) => e.client === 'payments'));
+  await page.waitForFunction((n) => document.querySelectorAll('#audit-table tbody tr').length === n
+    && document.querySelector('#audit-table tbody tr[data-kind="key.consumed"]'), twoKinds.events.length);
+  rows = await page.locator('#audit-table tbody tr').evaluateAll((trs) => trs.map((t) => [t.dataset.id, t.dataset.kind]));
+  assert.deepEqual(rows, twoKinds.events.map((e) => [e.id, e.kind]));
+  // No event of another client: an empty page.
+  assert.deepEqual((await ok('GET', '/v1/admin/audit?client=refunds', { key: ADMIN_KEY })).events, []);
+  await page.fill('#f-client', 'refunds');
+  await page.click('#audit-form button[type=submit]');
+  await page.locator('#audit-count', { hasText: '0 events shown' }).waitFor();
+  await page.fill('#f-client', '');
+  await page.fill('#f-subject', SUBJECT);
+
   // Paging: 3 a page, follow next_cursor.
-  await page.selectOption('#f-kind', '');
+  await page.selectOption('#f-kind', []);
   await page.fill('#f-limit', '3');
   await page.click('#audit-form button[type=submit]');
   await page.locator('#audit-more').waitFor();
@@ -466,6 +494,9 @@ test('the dashboard: duplicate rate per biz type against the 5 % line, the fleet
   const seal = await http('GET', '/v1/admin/audit/seal', { key: ADMIN_KEY });
   if (seal.status === 200) {
     await page.locator('#panel-seal [data-checkpoint]').waitFor();
+    // What is shown is the last sealed checkpoint; verifying is the CLI's.
+    assert.equal(await page.locator('#panel-seal h3').textContent(), 'Last sealed checkpoint');
+    assert.match(await page.locator('#panel-seal .seal-note').textContent(), /does not verify.*audit verify/s);
   } else {
     await page.locator('#panel-seal .unavailable').waitFor();
   }
@@ -483,6 +514,11 @@ test('the dashboard: duplicate rate per biz type against the 5 % line, the fleet
     // The run the setup made, found nothing to do on this fresh history.
     assert.equal(await page.locator('#panel-runs tbody tr').count(), runs.body.runs.length);
     assert.ok(runs.body.runs.length >= 1);
+    if (runs.body.runs[0].by !== undefined) {
+      // Asked for over HTTP with the admin key: the run names that client.
+      assert.equal(runs.body.runs[0].by, 'admin');
+      assert.equal(await page.locator('#panel-runs tbody tr .run-by').first().textContent(), 'admin');
+    }
   }
   await shot(page, 'dashboard');
   await shot(page, 'dashboard-full', { fullPage: true });
@@ -496,7 +532,7 @@ test('the uncertain queue and the reconcile runs as API.md shapes them (stubbed 
   const classes = { redis_live_but_consumed: 0, redis_missing_but_live: 0, stale_provisional: 0, journal_not_durable: 0,
     order_inconsistent: 1, expired_purgeable: 2, redis_consumed_but_live: 0, redis_ahead_of_postgres: 0 };
   await page.route('**/v1/admin/reconcile/runs*', (r) => r.fulfill({ status: 200, contentType: 'application/json',
-    body: JSON.stringify({ runs: [{ id: '7', started_at: at, finished_at: at, dry_run: false, scanned: { tokens: 12, orders: 3 },
+    body: JSON.stringify({ runs: [{ id: '7', by: 'reconciler', started_at: at, finished_at: at, dry_run: false, scanned: { tokens: 12, orders: 3 },
       found: classes, repaired: { ...classes, order_inconsistent: 0 }, inconsistent_orders: [made.order],
       order_problems: [{ order_id: made.order, problems: ['paid without its token consumed'] }],
       redis_ahead_of_postgres: [], interrupted: false, errors: [] }], next_cursor: null }) }));
@@ -509,6 +545,7 @@ test('the uncertain queue and the reconcile runs as API.md shapes them (stubbed 
   await run.waitFor();
   assert.equal(await run.getAttribute('class'), 'over');
   assert.match(await run.textContent(), /12 tokens, 3 orders.*order_inconsistent: 1.*expired_purgeable: 2/s);
+  assert.equal(await run.locator('.run-by').textContent(), 'reconciler');
   assert.match(await run.locator('td:last-child').textContent(), /ord-1001: paid without its token consumed/);
   await page.unrouteAll();
 });

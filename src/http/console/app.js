@@ -126,10 +126,13 @@ async function api(path, { auth = true } = {}) {
   return { status: resp.status, ok: resp.ok, body };
 }
 
-function query(params) {
+/** A query string; a list repeats its key (`kind=a&kind=b`), empty values are left out. */
+export function query(params) {
   const q = new URLSearchParams();
   for (const [k, v] of Object.entries(params)) {
-    if (v !== undefined && v !== null && String(v) !== '') q.set(k, String(v));
+    for (const one of Array.isArray(v) ? v : [v]) {
+      if (one !== undefined && one !== null && String(one) !== '') q.append(k, String(one));
+    }
   }
   const t = q.toString();
   return t ? `?${t}` : '';
@@ -504,7 +507,8 @@ async function auditSearch(ev) {
       subject: String(f.get('subject') ?? '').trim(),
       biz_type: String(f.get('biz_type') ?? '').trim(),
       order_id: String(f.get('order_id') ?? '').trim(),
-      kind: String(f.get('kind') ?? ''),
+      client: String(f.get('client') ?? '').trim(),
+      kind: f.getAll('kind').map(String),
       since: toRfc3339(String(f.get('since') ?? ''), 'Since'),
       until: toRfc3339(String(f.get('until') ?? ''), 'Until'),
       limit,
@@ -768,13 +772,14 @@ function renderSeal(res) {
   }
   clear(el,
     facts([
-      ['last checkpoint', h('span', { 'data-checkpoint': c.id }, `#${c.id}`)],
+      ['checkpoint', h('span', { 'data-checkpoint': c.id }, `#${c.id}`)],
       ['sealed', fmtTime(c.sealed_at)],
       ['events', `${fmtInt(c.events)} (ids ${c.first_event_id} to ${c.last_event_id})`],
       ['digest', h('span', { class: 'mono', title: c.digest }, `${String(c.digest).slice(0, 16)}…`)],
     ]),
-    h('p', { class: 'muted' }, 'Events after this checkpoint are sealed by the next one. ',
-      h('code', {}, 'idempotency-ledger audit verify'), ' recomputes every checkpoint and names the first that no longer matches.'));
+    h('p', { class: 'muted seal-note' }, 'The newest checkpoint sealed, as the service reports it: this page does not verify it. ',
+      h('code', {}, 'idempotency-ledger audit verify'), ' recomputes every checkpoint and names the first that no longer matches. ',
+      'Events after this checkpoint are sealed by the next one.'));
 }
 
 function renderUncertain(res) {
@@ -827,7 +832,7 @@ function renderRuns(res) {
       const errors = r.errors ?? [];
       return h('tr', { class: r.found?.order_inconsistent || errors.length ? 'over' : '' },
         h('td', { class: 'nowrap' }, fmtTime(r.finished_at ?? r.started_at)),
-        h('td', {}, r.dry_run ? 'dry run' : 'run', r.interrupted ? [' ', h('span', { class: 'badge state-uncertain' }, 'interrupted')] : null,
+        h('td', {}, r.dry_run ? 'dry run' : 'run', r.by ? [' by ', h('span', { class: 'run-by' }, r.by)] : null, r.interrupted ? [' ', h('span', { class: 'badge state-uncertain' }, 'interrupted')] : null,
           errors.map((e) => h('div', { class: 'error' }, e))),
         h('td', {}, r.scanned ? `${fmtInt(r.scanned.tokens)} tokens, ${fmtInt(r.scanned.orders)} orders` : '—'),
         h('td', {}, found.length ? found.map(([k, n]) => h('span', { class: 'chip' }, `${k}: ${n}`)) : 'nothing'),
