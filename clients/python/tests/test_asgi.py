@@ -151,6 +151,17 @@ def test_ledger_unavailable_is_503_and_the_handler_does_not_run(runs: List[Dict[
     assert r.headers["retry-after"] == "1" and runs == []
 
 
+def test_a_refused_api_key_is_500_ledger_error_and_the_handler_does_not_run(
+    ledger: Any, runs: List[Dict[str, Any]]
+) -> None:
+    # The ledger refusing the middleware's own API key: a misconfiguration,
+    # answered with the code the Rust and Express middlewares answer too.
+    with tc(make_app(ledger.url, "not-a-granted-key", runs, scope=lambda r: None)) as c:
+        r = c.post("/charge", json={}, headers={"Idempotency-Key": unique()})
+    problem_of(r, 500, "ledger_error")
+    assert runs == []
+
+
 def test_an_exception_releases_the_key(ledger: Any, runs: List[Dict[str, Any]]) -> None:
     key = unique()
     with tc(make_app(ledger.url, ledger.api_key, runs)) as c:
