@@ -33,7 +33,7 @@ use super::{admin, audit_seal, keys, ops, orders, tokens, uncertain, ErrorBody};
         ops::Readiness, ops::FleetReadiness, crate::fleet::FleetState,
         keys::KeyConsumeRequest, keys::KeyConsumeResponse, keys::KeyResultRequest,
         keys::KeyReleaseRequest, keys::KeyStateResponse,
-        orders::CreateOrderRequest, orders::OrderBody, orders::OrderEventBody, orders::PayRequest,
+        orders::NewOrderRequest, orders::OrderBody, orders::OrderEventBody, orders::PayRequest,
         orders::RefundRequest, orders::CloseRequest, orders::EventResponse,
         crate::admin::TokenView, crate::admin::KeyView, crate::admin::AuditEvent, crate::admin::AuditPage,
         crate::admin::Stats, crate::admin::BizStats, admin::ReconcileRequest,
@@ -682,7 +682,9 @@ mod tests {
 
     /// Generators (openapi-generator, openapi-python-client) name a method
     /// per operationId and a type per schema: ids are present, unique, and
-    /// none equals a schema name, ignoring case.
+    /// none equals a schema name, ignoring case. openapi-generator also
+    /// names a type `<OperationId>Request` (the operation's parameters) and
+    /// may name one `<OperationId>Response`: no schema takes either name.
     #[test]
     fn operation_ids_are_unique_and_clash_with_no_schema() {
         let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
@@ -702,6 +704,14 @@ mod tests {
                 !schemas.contains(&id.to_lowercase()),
                 "{method} {path}: operationId {id} is also a schema name"
             );
+            for suffix in ["Request", "Response"] {
+                let derived = format!("{}{}{suffix}", id[..1].to_uppercase(), &id[1..]);
+                assert!(
+                    !schemas.contains(&derived.to_lowercase()),
+                    "{method} {path}: a schema is named {derived} (ignoring case), the type \
+                     generators derive from operationId {id}: rename the schema"
+                );
+            }
         }
         assert_eq!(seen.len(), 31, "{seen:?}");
         for id in [

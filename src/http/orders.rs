@@ -102,7 +102,7 @@ impl From<Order> for OrderBody {
 
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct CreateOrderRequest {
+pub struct NewOrderRequest {
     /// 1 to 64 characters of `[A-Za-z0-9_-]`, unique across all clients.
     #[schema(example = "ord-1001")]
     pub order_id: String,
@@ -115,7 +115,7 @@ pub struct CreateOrderRequest {
     #[schema(example = "CNY")]
     pub currency: String,
 }
-impl BodyLimit for CreateOrderRequest {}
+impl BodyLimit for NewOrderRequest {}
 
 fn invalid(message: &str) -> ApiError {
     ApiError::invalid(message)
@@ -130,7 +130,7 @@ fn amount(n: i64, field: &str) -> Result<i64, ApiError> {
 }
 
 /// Create an order (idempotent: the same body again answers 200 with `Idempotent-Replayed: true`).
-#[utoipa::path(post, path = "/v1/orders", operation_id = "createOrder", tag = "orders", request_body(content = CreateOrderRequest, example = json!({"order_id": "ord-1001", "subject": "user-42", "amount_minor": 1000, "currency": "CNY"})),
+#[utoipa::path(post, path = "/v1/orders", operation_id = "createOrder", tag = "orders", request_body(content = NewOrderRequest, example = json!({"order_id": "ord-1001", "subject": "user-42", "amount_minor": 1000, "currency": "CNY"})),
     security(("api_key" = [])),
     responses(
         (status = 201, description = "Created", body = OrderBody, example = json!({"order_id": "ord-1001", "subject": "user-42", "state": "CREATED", "amount_minor": 1000, "refunded_minor": 0, "currency": "CNY", "created_at": "2026-12-02T07:30:00Z", "updated_at": "2026-12-02T07:30:00Z", "events": [{"kind": "order.created", "token": null, "amount_minor": 1000, "at": "2026-12-02T07:30:00Z"}]})),
@@ -141,7 +141,7 @@ fn amount(n: i64, field: &str) -> Result<i64, ApiError> {
 pub async fn create(
     state: web::Data<AppState>,
     Caller(caller): Caller,
-    JsonBody(body): JsonBody<CreateOrderRequest>,
+    JsonBody(body): JsonBody<NewOrderRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let req = CreateOrder {
         order_id: OrderId::parse(&body.order_id).map_err(|e| invalid(&e.0))?,

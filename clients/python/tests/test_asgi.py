@@ -4,12 +4,16 @@ whole conformance suite runs too: test_conformance.py)."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 from starlette.applications import Starlette
+from starlette.authentication import AuthCredentials, AuthenticationBackend, BaseUser, SimpleUser, UnauthenticatedUser
 from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import HTTPConnection
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -21,6 +25,7 @@ from idempotency_ledger.asgi import (
     IdempotencyMiddleware,
     InvalidKey,
     RequestInfo,
+    default_scope,
     parse_idempotency_key,
     replay,
 )
@@ -41,10 +46,20 @@ def make_app(ledger_url: str, api_key: str, runs: List[Dict[str, Any]], **option
         )
 
     client = options.pop("client", None) or AsyncClient(ledger_url, api_key)
+    # Starlette's authentication outside the middleware (first in the list).
+    auth = [Middleware(AuthenticationMiddleware, backend=HeaderAuth())] if options.pop("auth", False) else []
     return Starlette(
         routes=[Route("/charge", charge, methods=["POST", "PUT"])],
-        middleware=[Middleware(IdempotencyMiddleware, client=client, biz_type="order", **options)],
+        middleware=auth + [Middleware(IdempotencyMiddleware, client=client, biz_type="order", **options)],
     )
+
+
+class HeaderAuth(AuthenticationBackend):
+    """Authenticates the user named by ``X-User`` (none: anonymous)."""
+
+    async def authenticate(self, conn: HTTPConnection) -> Optional[Tuple[AuthCredentials, BaseUser]]:
+        name = conn.headers.get("x-user")
+        return (AuthCredentials(["authenticated"]), SimpleUser(name)) if name else None
 
 
 @pytest.fixture
@@ -136,6 +151,17 @@ def test_ledger_unavailable_is_503_and_the_handler_does_not_run(runs: List[Dict[
     assert r.headers["retry-after"] == "1" and runs == []
 
 
+def test_a_refused_api_key_is_500_ledger_error_and_the_handler_does_not_run(
+    ledger: Any, runs: List[Dict[str, Any]]
+) -> None:
+    # The ledger refusing the middleware's own API key: a misconfiguration,
+    # answered with the code the Rust and Express middlewares answer too.
+    with tc(make_app(ledger.url, "not-a-granted-key", runs, scope=lambda r: None)) as c:
+        r = c.post("/charge", json={}, headers={"Idempotency-Key": unique()})
+    problem_of(r, 500, "ledger_error")
+    assert runs == []
+
+
 def test_an_exception_releases_the_key(ledger: Any, runs: List[Dict[str, Any]]) -> None:
     key = unique()
     with tc(make_app(ledger.url, ledger.api_key, runs)) as c:
@@ -170,3 +196,91 @@ def test_replay_of_stored_forms() -> None:
 def test_request_info_header() -> None:
     info = RequestInfo("POST", "/x?y=1", {"x-user": "alice"}, {})
     assert info.header("X-User") == "alice" and info.header("x-missing") is None
+
+
+UNSCOPED = "has no scope and the request has no authenticated user"
+
+
+def unscoped_warnings(caplog: pytest.LogCaptureFixture) -> List[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "idempotency_ledger.asgi" and UNSCOPED in r.getMessage()]
+
+
+def test_the_authenticated_user_scopes_keys_by_default(
+    ledger: Any, runs: List[Dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="idempotency_ledger.asgi")
+    key = unique("k")
+    with tc(make_app(ledger.url, ledger.api_key, runs, auth=True)) as c:
+        alice = c.post("/charge", json={"a": 1}, headers={"Idempotency-Key": key, "X-User": "alice"})
+        # Another user's same key and body is another key: the handler runs.
+        bob = c.post("/charge", json={"a": 1}, headers={"Idempotency-Key": key, "X-User": "bob"})
+        again = c.post("/charge", json={"a": 1}, headers={"Idempotency-Key": key, "X-User": "alice"})
+        # An anonymous caller is unscoped, and not warned about: the app authenticates.
+        anonymous = c.post("/charge", json={"a": 1}, headers={"Idempotency-Key": key})
+    assert alice.status_code == bob.status_code == anonymous.status_code == 201
+    assert "idempotent-replayed" not in bob.headers and "idempotent-replayed" not in anonymous.headers
+    assert again.headers["idempotent-replayed"] == "true" and again.json() == alice.json()
+    assert len(runs) == 3
+    assert unscoped_warnings(caplog) == []
+
+
+def test_no_scope_and_no_user_warns_once(
+    ledger: Any, runs: List[Dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="idempotency_ledger.asgi")
+    with tc(make_app(ledger.url, ledger.api_key, runs)) as c:
+        for _ in range(3):
+            assert c.post("/charge", json={}, headers={"Idempotency-Key": unique()}).status_code == 201
+    warnings = unscoped_warnings(caplog)
+    assert len(warnings) == 1 and "biz type order" in warnings[0], warnings
+    # Safe methods and refused requests never reach the scope: no warning either.
+    caplog.clear()
+    with tc(make_app(ledger.url, ledger.api_key, runs)) as c:
+        c.get("/charge")
+        c.post("/charge", json={})
+    assert unscoped_warnings(caplog) == []
+
+
+def test_an_explicit_scope_never_warns(
+    ledger: Any, runs: List[Dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="idempotency_ledger.asgi")
+    key = unique("k")
+    # scope=lambda r: None: one key space on purpose; the user is not used.
+    with tc(make_app(ledger.url, ledger.api_key, runs, auth=True, scope=lambda r: None)) as c:
+        c.post("/charge", json={"a": 1}, headers={"Idempotency-Key": key, "X-User": "alice"})
+        shared = c.post("/charge", json={"a": 1}, headers={"Idempotency-Key": key, "X-User": "bob"})
+    assert shared.headers["idempotent-replayed"] == "true" and len(runs) == 1
+    with tc(make_app(ledger.url, ledger.api_key, runs, scope=lambda r: r.header("x-tenant"))) as c:
+        c.post("/charge", json={}, headers={"Idempotency-Key": unique()})
+    assert unscoped_warnings(caplog) == []
+
+
+def test_default_scope_reads_the_asgi_user() -> None:
+    def info(**scope: Any) -> RequestInfo:
+        return RequestInfo("POST", "/", {}, scope)
+
+    class NameOnly(BaseUser):  # an older Starlette's SimpleUser: no identity
+        @property
+        def is_authenticated(self) -> bool:
+            return True
+
+        @property
+        def display_name(self) -> str:
+            return "carol"
+
+    class Duck:  # not Starlette at all
+        is_authenticated = True
+        identity = 42
+
+    class Nameless:
+        is_authenticated = True
+        identity = ""
+
+    assert default_scope(info(user=SimpleUser("alice"))) == "alice"
+    assert default_scope(info(user=NameOnly())) == "carol"
+    assert default_scope(info(user=Duck())) == "42"
+    assert default_scope(info(user=UnauthenticatedUser())) is None
+    assert default_scope(info(user=Nameless())) is None
+    assert default_scope(info(user=None)) is None
+    assert default_scope(info()) is None

@@ -45,7 +45,7 @@
 //! | a body over the limit (default 1 MiB) | 413 | `payload_too_large` |
 //! | the ledger cannot be reached | 503 with `Retry-After`; the handler does not run | `ledger_unavailable` |
 //! | a request body that cannot be read | 400 | `request_body_unreadable` |
-//! | the ledger refuses the layer's own calls (API key, grants, biz type) | 500; the handler does not run | `ledger_refused` |
+//! | the ledger refuses the layer's own calls (API key, grants, biz type) | 500; the handler does not run | `ledger_error` |
 //! | the handler answered but its response body failed | 500; the key stays consumed | `response_failed` |
 //! | a stored result that is not a response of this layer | 500 | `stored_response_unreadable` |
 //! | the runtime shuts down while the handler runs | 503 | `shutting_down` |
@@ -577,7 +577,7 @@ where
             tracing::error!(error = %e, "the idempotency ledger refused the key");
             Ok(problem(
                 StatusCode::INTERNAL_SERVER_ERROR,
-                codes::LEDGER_REFUSED,
+                codes::LEDGER_ERROR,
                 "Idempotency check failed",
                 "The request was not run.",
             ))

@@ -39,9 +39,16 @@ The app runs in its own task: a client that disconnects does not cancel it
 halfway, and its response is still stored. The whole response is buffered
 before it is sent (streaming responses included).
 
-Keys are per API key of the ledger client, not per user: when your users
-choose their keys, give a ``scope`` (their account id): the same key of two
-scopes is two keys. Requires asyncio.
+Keys are per API key of the ledger client, not per user: the same key of
+two scopes is two keys, so scope them by your end user. Without a ``scope``
+callable the middleware uses :func:`default_scope`: the ASGI scope's
+authenticated user (``scope["user"]``, set by Starlette's
+``AuthenticationMiddleware`` installed outside this one), by its
+``identity``, else its ``display_name``. When no ``scope`` is given and a
+request has no user at all, the middleware logs a warning once: every caller
+then shares one key space. Give ``scope`` (the account id), or
+``scope=lambda request: None`` to share one key space on purpose and silence
+it. Requires asyncio.
 """
 
 from __future__ import annotations
@@ -80,6 +87,7 @@ __all__ = [
     "PROBLEM_BASE",
     "DEFAULT_STORED_HEADERS",
     "default_store_status",
+    "default_scope",
     "parse_idempotency_key",
     "InvalidKey",
 ]
@@ -169,6 +177,32 @@ class RequestInfo:
         return self.headers.get(name.lower())
 
 
+def default_scope(request: RequestInfo) -> Optional[str]:
+    """The default ``scope``: the ASGI scope's authenticated user, or None.
+
+    Duck-typed on Starlette's ``BaseUser`` (no dependency on Starlette):
+    ``scope["user"]`` whose ``is_authenticated`` is true, identified by its
+    ``identity``, else (an older Starlette's ``SimpleUser``, which has none)
+    its ``display_name``. An anonymous user, or no user, is None: unscoped."""
+    user = request.asgi_scope.get("user")
+    if user is None or not _attr(user, "is_authenticated"):
+        return None
+    for name in ("identity", "display_name"):
+        value = _attr(user, name)
+        if value is not None and value != "":
+            return str(value)
+    return None
+
+
+def _attr(obj: Any, name: str) -> Any:
+    """``obj.name``, or None where it is missing or not implemented
+    (Starlette's ``BaseUser`` raises NotImplementedError)."""
+    try:
+        return getattr(obj, name, None)
+    except NotImplementedError:
+        return None
+
+
 @dataclass
 class _Response:
     status: int
@@ -188,7 +222,10 @@ class IdempotencyMiddleware:
     ``in_progress_retry_after`` (whole seconds of the 409's ``Retry-After``,
     default 1), ``in_progress_wait_ms`` (how long a retry of a running
     request waits for it to finish before answering 409; default 0),
-    ``max_request_body`` (default 1 MiB), ``scope`` (request -> scope or None).
+    ``max_request_body`` (default 1 MiB), ``scope`` (request -> scope or
+    None; default :func:`default_scope`, the authenticated ASGI user, with a
+    warning logged once when a request has no user; ``lambda request: None``
+    shares one key space on purpose, without the warning).
     """
 
     def __init__(
@@ -229,6 +266,8 @@ class IdempotencyMiddleware:
         self.in_progress_wait_ms = in_progress_wait_ms
         self.max_request_body = max_request_body
         self.scope = scope
+        #: Set once the missing-scope warning is logged.
+        self._warned_unscoped = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"].upper() in SAFE_METHODS:
@@ -346,8 +385,24 @@ class IdempotencyMiddleware:
                 ),
             )
 
+    def _scope_of(self, info: RequestInfo) -> Optional[str]:
+        if self.scope is not None:
+            return self.scope(info)
+        scope = default_scope(info)
+        if scope is None and not self._warned_unscoped and not _anonymous(info.asgi_scope):
+            self._warned_unscoped = True
+            log.warning(
+                "IdempotencyMiddleware (biz type %s) has no scope and the request has no authenticated "
+                "user: Idempotency-Key values are shared across all end users of this service, and one "
+                "user's key can replay another user's stored response. Install an authentication "
+                "middleware that sets scope['user'] outside this one, pass scope=<the authenticated "
+                "user's id>, or scope=lambda request: None to make the shared key space explicit.",
+                self.biz_type,
+            )
+        return scope
+
     def _ledger_key(self, info: RequestInfo, key: str) -> str:
-        scope = self.scope(info) if self.scope is not None else None
+        scope = self._scope_of(info)
         scoped = f"{short_digest(scope)}:{key}" if scope is not None else key
         if len(scoped) > MAX_KEY:
             raise InvalidKey(
@@ -496,6 +551,13 @@ async def _send(send: Send, resp: _Response) -> None:
     headers.append((b"content-length", str(len(resp.body)).encode("ascii")))
     await send({"type": "http.response.start", "status": resp.status, "headers": headers})
     await send({"type": "http.response.body", "body": resp.body, "more_body": False})
+
+
+def _anonymous(asgi_scope: Mapping[str, Any]) -> bool:
+    """Whether the request has a user that is known not to be authenticated
+    (an anonymous caller of an app that does authenticate)."""
+    user = asgi_scope.get("user")
+    return user is not None and _attr(user, "is_authenticated") is False
 
 
 def _path_and_query(scope: Scope) -> bytes:

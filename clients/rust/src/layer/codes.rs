@@ -22,8 +22,9 @@ pub const PAYLOAD_TOO_LARGE: &str = "payload_too_large";
 /// 400: the request body could not be read.
 pub const REQUEST_BODY_UNREADABLE: &str = "request_body_unreadable";
 /// 500: the ledger refused the layer's call (its API key, grants or biz
-/// type are misconfigured); nothing ran.
-pub const LEDGER_REFUSED: &str = "ledger_refused";
+/// type are misconfigured); nothing ran. The same code as the Python and
+/// Express middlewares'.
+pub const LEDGER_ERROR: &str = "ledger_error";
 /// 500: the handler answered, but its response body failed; the key stays
 /// consumed.
 pub const RESPONSE_FAILED: &str = "response_failed";
@@ -42,7 +43,7 @@ pub const ALL: [&str; 12] = [
     LEDGER_UNAVAILABLE,
     PAYLOAD_TOO_LARGE,
     REQUEST_BODY_UNREADABLE,
-    LEDGER_REFUSED,
+    LEDGER_ERROR,
     RESPONSE_FAILED,
     STORED_RESPONSE_UNREADABLE,
     SHUTTING_DOWN,

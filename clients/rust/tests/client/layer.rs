@@ -557,3 +557,19 @@ async fn a_body_over_the_limit_is_413_with_its_code() {
     assert_eq!(fits.status(), StatusCode::CREATED);
     ledger.stop().await;
 }
+
+/// The ledger refusing the layer's own call (here its API key) is a
+/// misconfiguration, not the request's fault: 500 `ledger_error`, the code
+/// the Python and Express middlewares answer too, and the handler never runs.
+#[tokio::test]
+async fn a_refused_api_key_is_500_ledger_error_and_the_handler_does_not_run() {
+    let ledger = spawn_ledger().await;
+    let app = serve_app(ledger.client("not-a-granted-key")).await;
+    let http = reqwest::Client::new();
+    let pay = format!("{}/pay", app.url);
+    let refused = send(&http, &pay, Some("k-1"), json!({"cart": "c-1"})).await;
+    assert_eq!(refused.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(problem_code(refused).await, codes::LEDGER_ERROR);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 0);
+    ledger.stop().await;
+}
