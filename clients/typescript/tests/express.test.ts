@@ -432,7 +432,7 @@ describe("the ledger", () => {
     assert.equal(s.invocations(), 0);
   });
 
-  it("a stored result that is not a stored response is 500 ledger_error, not a replay", async () => {
+  it("a stored result that is not a stored response is 500 stored_response_unreadable, not a replay", async () => {
     const s = await app();
     const k = unique("k");
     const body = JSON.stringify({ a: 1 });
@@ -440,8 +440,34 @@ describe("the ledger", () => {
     await client.consumeKey({ biz_type: "order", key: k, fingerprint: requestFingerprint("POST", "/charge", Buffer.from(body)) });
     await client.recordKeyResult("order", k, { not: "a response" });
     const r = await send(`${s.url}/charge`, { key: k, raw: body, headers: { "content-type": "application/json" } });
-    assertProblem(r, 500, "ledger_error");
+    assertProblem(r, 500, "stored_response_unreadable");
     assert.equal(s.invocations(), 0);
+  });
+
+  it("a retry after the first ran past its processing lease is 409 idempotency_key_uncertain", async () => {
+    const leased = await startLedger(["[biz.refund]", 'processing_lease = "1s"']);
+    try {
+      const c = new LedgerClient({ baseUrl: leased.url, apiKey: SERVICE_KEY });
+      const s = await app({ options: { client: c, bizType: "refund" } });
+      const k = unique("k");
+      const body = JSON.stringify({ a: 1 });
+      // A first request whose process died mid-step: consumed, nothing stored.
+      await c.consumeKey({ biz_type: "refund", key: k, fingerprint: requestFingerprint("POST", "/charge", Buffer.from(body)) });
+      const deadline = Date.now() + 15_000;
+      for (;;) {
+        const r = await send(`${s.url}/charge`, { key: k, raw: body, headers: { "content-type": "application/json" } });
+        if (r.json()["code"] === "idempotency_key_uncertain" || Date.now() > deadline) {
+          assertProblem(r, 409, "idempotency_key_uncertain");
+          assert.equal(r.headers.get("retry-after"), null);
+          break;
+        }
+        assertProblem(r, 409, "idempotency_key_in_use");
+        await sleep(250);
+      }
+      assert.equal(s.invocations(), 0);
+    } finally {
+      await leased.stop();
+    }
   });
 
   it("refuses a bad configuration at once", () => {

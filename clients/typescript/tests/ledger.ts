@@ -98,7 +98,8 @@ function exited(child: ChildProcess): Promise<void> {
   });
 }
 
-export async function startLedger(): Promise<Ledger> {
+/** A ledger of its own; `extra`: TOML lines appended to its configuration. */
+export async function startLedger(extra: readonly string[] = []): Promise<Ledger> {
   const dir = mkdtempSync(join(tmpdir(), "ledger-ts-"));
   const bin = join(dir, "idempotency-ledger");
   copyFileSync(ledgerBinary(), bin);
@@ -120,6 +121,7 @@ export async function startLedger(): Promise<Ledger> {
       "[redis]",
       `url = "redis://127.0.0.1:6379/3"`,
       `key_prefix = "ledger-t-${hex}:"`,
+      ...extra,
       "",
     ].join("\n"),
   );

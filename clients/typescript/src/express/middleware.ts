@@ -12,6 +12,8 @@
  * | first request with a key | the handler runs; its response is stored (see below) and returned |
  * | a retry with the same key and payload, after the first finished | the stored response, with `Idempotent-Replayed: true`; the handler does not run |
  * | a retry while the first is still running | 409 `idempotency_key_in_use`, `Retry-After`; the handler does not run |
+ * | a retry after the first ran past its biz type's processing lease with no stored response | 409 `idempotency_key_uncertain`; the handler does not run; an operator resolves it |
+ * | a stored result that is not a response of this middleware | 500 `stored_response_unreadable` |
  * | the same key with another payload (method, path with query, or body) | 422 `idempotency_key_reused` |
  * | no key, where one is required (the default) | 400 `idempotency_key_missing` |
  * | a key that is not 1 to 255 printable ASCII characters, a bad quoted string, several headers | 400 `idempotency_key_invalid` |
@@ -218,13 +220,13 @@ async function handle(config: Config, req: Request, res: Response, next: NextFun
     case "uncertain":
       return sendProblem(
         res,
-        "idempotency_key_in_use",
+        "idempotency_key_uncertain",
         "The first request with this key never finished and its outcome is unknown; an operator must resolve it before this key can be used.",
       );
     case "completed": {
       const stored = parseStored(outcome.result);
       if (stored === undefined) {
-        return sendProblem(res, "ledger_error", "This Idempotency-Key was completed, but its response cannot be replayed.");
+        return sendProblem(res, "stored_response_unreadable", "This Idempotency-Key was completed, but its response cannot be replayed.");
       }
       return replay(res, stored);
     }
