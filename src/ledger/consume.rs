@@ -1,20 +1,25 @@
 //! The consume protocol (steps 2 to 4 in [`super`]): Redis first, Postgres
-//! deciding for durable types, Redis told afterwards. [`classify`] and
-//! [`answer_from_row`] turn what an earlier consume left behind into this
-//! attempt's answer; their unit tests (`consume/tests.rs`) go through every
-//! row of API.md's consume table.
+//! deciding for durable types, Redis told afterwards, written once for a
+//! token and a client key (`super::held`). `consume/prior.rs`'s [`classify`]
+//! and [`answer_from_row`] turn what an earlier consume left behind into
+//! this attempt's answer; their unit tests (`consume/tests.rs`) go through
+//! every row of API.md's consume table.
 
-use chrono::{DateTime, Utc};
 use serde_json::Value as Json;
+
+mod prior;
+
+use prior::same_request;
+pub(super) use prior::{answer_from_row, classify, Attempted, Prior};
 
 use super::core::{ms, ms_to_time};
 use super::held::{Held, Of};
-use super::{ConsumeAnswer, ConsumeInput, ConsumeOutcome, DuplicateStatus, Ledger, LedgerError};
+use super::{ConsumeAnswer, ConsumeInput, ConsumeOutcome, Ledger, LedgerError};
 use crate::auth::Client;
 use crate::config::Durability;
 use crate::domain::{Fingerprint, RequestId};
 use crate::durable::keys;
-use crate::durable::tokens::{self, ConsumeRow, Existing, TokenRecord, TokenState};
+use crate::durable::tokens::{self, ConsumeRow, TokenRecord, TokenState};
 use crate::durable::{timed, DurableError};
 use crate::fast::{
     Attempt, Claim, ConsumedWrite, Decision, FastError, KeyArgs, KeyVersion, Marker, Peek,
@@ -31,48 +36,6 @@ pub(super) struct Look {
     /// A client key's consume (whose `TokenMismatch` is counted).
     pub(super) of_key: bool,
     pub(super) answer: Result<ConsumeAnswer, LedgerError>,
-}
-
-/// What an earlier consume left behind, from either tier.
-#[derive(Debug, Clone)]
-pub(super) struct Prior {
-    pub(super) consumed_at: Option<DateTime<Utc>>,
-    fingerprint: Option<String>,
-    request_id: Option<String>,
-    result: Option<Json>,
-    /// Past its processing lease without result or release (policy
-    /// `uncertain`): Postgres's sweep marked it, or, for a fast type's
-    /// marker, Redis's clock says its lease ran out.
-    uncertain: bool,
-}
-
-impl Prior {
-    pub(super) fn from_marker(m: &Marker) -> Prior {
-        Prior {
-            consumed_at: ms_to_time(m.at_ms),
-            fingerprint: m.fingerprint.clone(),
-            request_id: m.request_id.clone(),
-            result: m
-                .result
-                .as_deref()
-                .and_then(|r| serde_json::from_str(r).ok()),
-            uncertain: false,
-        }
-    }
-    /// The same prior, `uncertain` when `ran_out`.
-    pub(super) fn lease_ran_out(mut self, ran_out: bool) -> Prior {
-        self.uncertain |= ran_out;
-        self
-    }
-    pub(super) fn from_row(e: &Existing) -> Prior {
-        Prior {
-            consumed_at: e.consumed_at,
-            fingerprint: e.fingerprint.clone(),
-            request_id: e.request_id.clone(),
-            result: e.result.clone(),
-            uncertain: e.uncertain_since.is_some(),
-        }
-    }
 }
 
 impl Ledger {
@@ -716,98 +679,6 @@ fn attempt_of<'a, I: Attempted>(owner: &'a str, input: &'a I) -> Attempt<'a> {
         owner,
         request_id: input.request_id().map(RequestId::as_str),
         fingerprint: input.fingerprint().map(Fingerprint::as_str),
-    }
-}
-
-/// What the answer to a consume attempt depends on besides the prior:
-/// its fingerprint and request id (a token's consume and a key's alike).
-pub(super) trait Attempted {
-    fn fingerprint(&self) -> Option<&Fingerprint>;
-    fn request_id(&self) -> Option<&RequestId>;
-}
-
-impl Attempted for ConsumeInput {
-    fn fingerprint(&self) -> Option<&Fingerprint> {
-        self.fingerprint.as_ref()
-    }
-    fn request_id(&self) -> Option<&RequestId> {
-        self.request_id.as_ref()
-    }
-}
-
-fn same_request<I: Attempted>(prior: &Prior, input: &I) -> bool {
-    matches!((&prior.request_id, input.request_id()), (Some(a), Some(b)) if a == b.as_str())
-}
-
-/// Decides the answer to an attempt that found an earlier consume.
-/// `None`: it cannot be decided from this prior (the same request in flight).
-/// `now` stands in for a consume time the prior lacks.
-pub(super) fn classify<I: Attempted>(
-    prior: &Prior,
-    input: &I,
-    in_flight: bool,
-    now: DateTime<Utc>,
-) -> Result<Option<ConsumeAnswer>, LedgerError> {
-    // A provisional marker belongs to an attempt whose outcome is not known
-    // yet (it may fail, or it may itself be a duplicate that found the token
-    // consumed in Postgres). Only a plain duplicate, with no request id or
-    // fingerprint to compare, is answered from it; anything that needs the
-    // winner's identity goes to Postgres.
-    if in_flight && (input.request_id().is_some() || input.fingerprint().is_some()) {
-        return Ok(None);
-    }
-    if let (Some(a), Some(b)) = (&prior.fingerprint, input.fingerprint()) {
-        if a != b.as_str() {
-            return Err(LedgerError::FingerprintMismatch);
-        }
-    }
-    if same_request(prior, input) {
-        return Ok(Some(ConsumeAnswer::Consumed {
-            consumed_at: prior.consumed_at.unwrap_or(now),
-            replayed: true,
-        }));
-    }
-    let status = if in_flight {
-        DuplicateStatus::Processing
-    } else if prior.result.is_some() {
-        DuplicateStatus::Completed
-    } else if prior.uncertain {
-        DuplicateStatus::Uncertain
-    } else {
-        DuplicateStatus::Processing
-    };
-    Ok(Some(ConsumeAnswer::Duplicate {
-        status,
-        consumed_at: prior.consumed_at,
-        result: if in_flight {
-            None
-        } else {
-            prior.result.clone()
-        },
-    }))
-}
-
-pub(super) fn answer_from_row<I: Attempted>(
-    row: &ConsumeRow,
-    input: &I,
-    now: DateTime<Utc>,
-) -> Result<ConsumeAnswer, LedgerError> {
-    match row {
-        ConsumeRow::Won { consumed_at } => Ok(ConsumeAnswer::Consumed {
-            consumed_at: *consumed_at,
-            replayed: false,
-        }),
-        ConsumeRow::Existing(e) if e.state == TokenState::Consumed => {
-            classify(&Prior::from_row(e), input, false, now).map(|a| {
-                a.unwrap_or(ConsumeAnswer::Duplicate {
-                    status: DuplicateStatus::Processing,
-                    consumed_at: e.consumed_at,
-                    result: None,
-                })
-            })
-        }
-        // Unconsumed, and Postgres's now() says it is past its expiry.
-        ConsumeRow::Existing(_) | ConsumeRow::Expired => Err(LedgerError::TokenExpired),
     }
 }
 
