@@ -5,7 +5,6 @@
 //! gets 403 `forbidden` on every admin route.
 
 use actix_web::dev::Payload;
-use actix_web::http::StatusCode;
 use actix_web::{web, FromRequest, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};
 use serde::Deserialize;
@@ -16,49 +15,10 @@ use super::error::ApiError;
 use super::extract::{BodyLimit, Caller, JsonBody, OptionalJsonBody};
 use super::tokens::path_token;
 use super::AppState;
-use crate::admin::{self, AdminError, AuditQuery, Window};
+use crate::admin::{self, AuditQuery, Window};
 use crate::auth::{Client, Role};
 use crate::domain::Reason;
-use crate::reconcile::{self, ReconcileError};
-
-impl From<AdminError> for ApiError {
-    fn from(e: AdminError) -> ApiError {
-        let message = e.to_string();
-        match e {
-            AdminError::TokenInvalid => ApiError::token_invalid(),
-            AdminError::TokenNotFound => {
-                ApiError::new(StatusCode::NOT_FOUND, "token_not_found", message)
-            }
-            AdminError::KeyNotFound => {
-                ApiError::new(StatusCode::NOT_FOUND, "key_not_found", message)
-            }
-            AdminError::InvalidCursor => {
-                ApiError::new(StatusCode::BAD_REQUEST, "invalid_cursor", message)
-            }
-            AdminError::InvalidRequest(m) => ApiError::invalid(m),
-            AdminError::Postgres(d) => postgres(d),
-        }
-    }
-}
-
-impl From<ReconcileError> for ApiError {
-    fn from(e: ReconcileError) -> ApiError {
-        match e {
-            ReconcileError::Running => ApiError::new(
-                StatusCode::CONFLICT,
-                "reconcile_running",
-                "another reconcile run holds the lock; try again when it has finished",
-            ),
-            ReconcileError::Postgres(d) => postgres(d),
-        }
-    }
-}
-
-/// Postgres errors answer as everywhere else: 503 `unavailable` with
-/// `Retry-After` when it cannot be reached, 500 otherwise.
-fn postgres(e: crate::durable::DurableError) -> ApiError {
-    crate::ledger::LedgerError::postgres(e).into()
-}
+use crate::reconcile;
 
 fn authorize(req: &HttpRequest, allowed: &[Role]) -> Result<Client, ApiError> {
     let Caller(client) = Caller::from_request(req, &mut Payload::None).into_inner()?;

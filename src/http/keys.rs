@@ -1,13 +1,12 @@
 //! Client-supplied key routes (`/v1/keys`): consume, result, release and
 //! read. Handlers parse, call the ledger, and shape the answer; nothing else.
 
-use actix_web::http::StatusCode;
 use actix_web::{web, HttpResponse};
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 use utoipa::ToSchema;
 
-use super::error::ApiError;
+use super::error::{ApiError, Code};
 use super::extract::{BodyLimit, Caller, JsonBody};
 use super::tokens::{rfc3339, OutcomeResponse, REPLAYED};
 use super::AppState;
@@ -21,8 +20,7 @@ fn parse<T, E: std::fmt::Display>(r: Result<T, E>) -> Result<T, ApiError> {
 
 fn key_not_found() -> ApiError {
     ApiError::new(
-        StatusCode::NOT_FOUND,
-        "key_not_found",
+        Code::KeyNotFound,
         "no consume of this key is known (never consumed, or forgotten after retention)",
     )
 }

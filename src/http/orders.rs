@@ -1,49 +1,18 @@
 //! Order routes: create, get, and the token-carrying events pay, refund and close.
 
-use actix_web::http::StatusCode;
 use actix_web::{web, HttpResponse};
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 use utoipa::ToSchema;
 
 use super::error::ApiError;
 use super::extract::{BodyLimit, Caller, JsonBody};
 use super::tokens::{rfc3339, REPLAYED};
 use super::AppState;
-use crate::domain::order::{OrderEvent, TransitionError};
+use crate::domain::order::OrderEvent;
 use crate::domain::{Fingerprint, OrderId, RequestId, Subject};
-use crate::orders::{Applied, CreateOrder, Created, EventInput, Order, OrderError};
+use crate::orders::{Applied, CreateOrder, Created, EventInput, Order};
 
 const MAX_AMOUNT: i64 = 1_000_000_000_000_000;
-
-impl From<OrderError> for ApiError {
-    fn from(e: OrderError) -> ApiError {
-        let message = e.to_string();
-        match e {
-            OrderError::NotFound => {
-                ApiError::new(StatusCode::NOT_FOUND, "order_not_found", message)
-            }
-            OrderError::Conflict => ApiError::new(StatusCode::CONFLICT, "order_conflict", message),
-            OrderError::Transition(TransitionError::Illegal { state, .. }) => {
-                ApiError::new(StatusCode::CONFLICT, "illegal_transition", message)
-                    .with("state", json!(state.as_str()))
-            }
-            OrderError::Transition(TransitionError::RefundExceedsPaid { refundable, .. }) => {
-                ApiError::new(StatusCode::CONFLICT, "refund_exceeds_paid", message)
-                    .with("refundable_minor", json!(refundable))
-            }
-            OrderError::DurableTokenRequired => ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "durable_token_required",
-                message,
-            ),
-            OrderError::TokenAlreadyUsed => {
-                ApiError::new(StatusCode::CONFLICT, "token_already_used", message)
-            }
-            OrderError::Ledger(e) => e.into(),
-        }
-    }
-}
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct OrderEventBody {
