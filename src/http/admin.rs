@@ -160,10 +160,8 @@ pub async fn key(
         present(v).ok_or_else(|| ApiError::invalid(format!("`{name}` is required")))
     };
     let client = required("client", &query.client)?;
-    let biz = crate::domain::BizType::parse(&required("biz_type", &query.biz_type)?)
-        .map_err(|e| ApiError::invalid(e.to_string()))?;
-    let key = crate::domain::key::ClientKey::parse(&required("key", &query.key)?)
-        .map_err(|e| ApiError::invalid(e.to_string()))?;
+    let biz = crate::domain::BizType::parse(&required("biz_type", &query.biz_type)?)?;
+    let key = crate::domain::key::ClientKey::parse(&required("key", &query.key)?)?;
     let view = state.admin.key(&client, &biz, &key).await?;
     Ok(HttpResponse::Ok().json(view))
 }
@@ -205,7 +203,7 @@ pub async fn release(
     token: web::Path<String>,
     JsonBody(body): JsonBody<AdminReleaseRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let reason = Reason::parse(&body.reason).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let reason = Reason::parse(&body.reason)?;
     let text = path_token(&token)?;
     state
         .ledger
@@ -259,17 +257,15 @@ pub async fn release_key(
     AdminCaller(caller): AdminCaller,
     JsonBody(body): JsonBody<AdminKeyReleaseRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let reason = Reason::parse(&body.reason).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let reason = Reason::parse(&body.reason)?;
     let owner = body.client.trim();
     if owner.is_empty() || owner.len() > 64 {
         return Err(ApiError::invalid(
             "`client` must be a client's name (1 to 64 characters)",
         ));
     }
-    let biz = crate::domain::BizType::parse(&body.biz_type)
-        .map_err(|e| ApiError::invalid(e.to_string()))?;
-    let key = crate::domain::key::ClientKey::parse(&body.key)
-        .map_err(|e| ApiError::invalid(e.to_string()))?;
+    let biz = crate::domain::BizType::parse(&body.biz_type)?;
+    let key = crate::domain::key::ClientKey::parse(&body.key)?;
     state
         .ledger
         .release_key_by_admin(&caller, owner, &biz, &key, &reason)

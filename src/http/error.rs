@@ -10,6 +10,7 @@ use serde_json::{json, Map, Value};
 
 use crate::admin::AdminError;
 use crate::domain::order::TransitionError;
+use crate::domain::Invalid;
 use crate::durable::DurableError;
 use crate::ledger::LedgerError;
 use crate::orders::OrderError;
@@ -342,6 +343,22 @@ impl From<LedgerError> for ApiError {
     }
 }
 
+/// A request value the domain refused (`BizType::parse` and the like): 400
+/// `invalid_request`, its message naming the field.
+impl From<Invalid> for ApiError {
+    fn from(e: Invalid) -> ApiError {
+        ApiError::invalid(e.0)
+    }
+}
+
+/// Postgres errors answer as everywhere else: 503 `unavailable` with
+/// `Retry-After` when it cannot be reached, 500 otherwise.
+impl From<DurableError> for ApiError {
+    fn from(e: DurableError) -> ApiError {
+        LedgerError::postgres(e).into()
+    }
+}
+
 impl From<OrderError> for ApiError {
     fn from(e: OrderError) -> ApiError {
         let message = e.to_string();
@@ -371,7 +388,7 @@ impl From<AdminError> for ApiError {
             AdminError::KeyNotFound => ApiError::new(Code::KeyNotFound, message),
             AdminError::InvalidCursor => ApiError::new(Code::InvalidCursor, message),
             AdminError::InvalidRequest(m) => ApiError::invalid(m),
-            AdminError::Postgres(d) => postgres(d),
+            AdminError::Postgres(d) => d.into(),
         }
     }
 }
@@ -383,15 +400,9 @@ impl From<ReconcileError> for ApiError {
                 Code::ReconcileRunning,
                 "another reconcile run holds the lock; try again when it has finished",
             ),
-            ReconcileError::Postgres(d) => postgres(d),
+            ReconcileError::Postgres(d) => d.into(),
         }
     }
-}
-
-/// Postgres errors answer as everywhere else: 503 `unavailable` with
-/// `Retry-After` when it cannot be reached, 500 otherwise.
-fn postgres(e: DurableError) -> ApiError {
-    LedgerError::postgres(e).into()
 }
 
 impl ApiError {

@@ -86,15 +86,13 @@ pub struct NewOrderRequest {
 }
 impl BodyLimit for NewOrderRequest {}
 
-fn invalid(message: &str) -> ApiError {
-    ApiError::invalid(message)
-}
-
 fn amount(n: i64, field: &str) -> Result<i64, ApiError> {
     if (1..=MAX_AMOUNT).contains(&n) {
         Ok(n)
     } else {
-        Err(invalid(&format!("`{field}` must be between 1 and 10^15")))
+        Err(ApiError::invalid(format!(
+            "`{field}` must be between 1 and 10^15"
+        )))
     }
 }
 
@@ -113,15 +111,17 @@ pub async fn create(
     JsonBody(body): JsonBody<NewOrderRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let req = CreateOrder {
-        order_id: OrderId::parse(&body.order_id).map_err(|e| invalid(&e.0))?,
-        subject: Subject::parse(&body.subject).map_err(|e| invalid(&e.0))?,
+        order_id: OrderId::parse(&body.order_id)?,
+        subject: Subject::parse(&body.subject)?,
         amount_minor: amount(body.amount_minor, "amount_minor")?,
         currency: {
             let c = &body.currency;
             if c.len() == 3 && c.bytes().all(|b| b.is_ascii_uppercase()) {
                 c.clone()
             } else {
-                return Err(invalid("`currency` must be three letters A-Z (ISO 4217)"));
+                return Err(ApiError::invalid(
+                    "`currency` must be three letters A-Z (ISO 4217)",
+                ));
             }
         },
     };
@@ -189,9 +189,7 @@ pub struct EventResponse {
 }
 
 fn request_id(r: Option<&str>) -> Result<Option<RequestId>, ApiError> {
-    r.map(RequestId::parse)
-        .transpose()
-        .map_err(|e| invalid(&e.0))
+    Ok(r.map(RequestId::parse).transpose()?)
 }
 
 async fn apply(
@@ -283,8 +281,7 @@ pub async fn pay(
             .fingerprint
             .as_deref()
             .map(Fingerprint::parse)
-            .transpose()
-            .map_err(|e| invalid(&e.0))?,
+            .transpose()?,
         request_id: request_id(body.request_id.as_deref())?,
         reason: None,
         token: body.token,
@@ -311,7 +308,7 @@ pub async fn refund(
         .as_ref()
         .is_some_and(|r| r.chars().count() > 256 || r.chars().any(char::is_control))
     {
-        return Err(invalid(
+        return Err(ApiError::invalid(
             "`reason` must be at most 256 characters without control characters",
         ));
     }

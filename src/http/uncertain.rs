@@ -122,10 +122,7 @@ pub async fn list(
     query: Result<web::Query<UncertainParams>, actix_web::Error>,
 ) -> Result<HttpResponse, ApiError> {
     let query = query.map_err(|e| ApiError::invalid(format!("bad query: {e}")))?;
-    let biz = present(&query.biz_type)
-        .map(BizType::parse)
-        .transpose()
-        .map_err(|e| ApiError::invalid(e.to_string()))?;
+    let biz = present(&query.biz_type).map(BizType::parse).transpose()?;
     let limit = match present(&query.limit) {
         None => DEFAULT_LIMIT,
         Some(s) => s
@@ -241,7 +238,7 @@ pub async fn token_result(
     token: web::Path<String>,
     JsonBody(body): JsonBody<AdminResultRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let reason = Reason::parse(&body.reason).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let reason = Reason::parse(&body.reason)?;
     checked_result(&body.result)?;
     let text = path_token(&token)?;
     let answer = state
@@ -273,7 +270,7 @@ pub async fn key_result(
     AdminCaller(caller): AdminCaller,
     JsonBody(body): JsonBody<AdminKeyResultRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let reason = Reason::parse(&body.reason).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let reason = Reason::parse(&body.reason)?;
     checked_result(&body.result)?;
     let owner = body.client.trim();
     if owner.is_empty() || owner.len() > 64 {
@@ -281,8 +278,8 @@ pub async fn key_result(
             "`client` must be a client's name (1 to 64 characters)",
         ));
     }
-    let biz = BizType::parse(&body.biz_type).map_err(|e| ApiError::invalid(e.to_string()))?;
-    let key = ClientKey::parse(&body.key).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let biz = BizType::parse(&body.biz_type)?;
+    let key = ClientKey::parse(&body.key)?;
     let answer = state
         .ledger
         .record_key_result_by_admin(&caller, owner, &biz, &key, &body.result, &reason)
