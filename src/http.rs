@@ -68,12 +68,7 @@ async fn not_found() -> Result<HttpResponse, ApiError> {
 
 /// 405 in our error shape, with the `Allow` header RFC 9110 requires.
 fn method_not_allowed(allow: &'static str) -> HttpResponse {
-    let mut resp = actix_web::ResponseError::error_response(&ApiError::method_not_allowed());
-    resp.headers_mut().insert(
-        actix_web::http::header::ALLOW,
-        HeaderValue::from_static(allow),
-    );
-    resp
+    actix_web::ResponseError::error_response(&ApiError::method_not_allowed(allow))
 }
 
 /// One resource with its one method (`allow`); other methods answer 405.

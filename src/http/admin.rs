@@ -5,7 +5,6 @@
 //! gets 403 `forbidden` on every admin route.
 
 use actix_web::dev::Payload;
-use actix_web::http::StatusCode;
 use actix_web::{web, FromRequest, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};
 use serde::Deserialize;
@@ -16,49 +15,10 @@ use super::error::ApiError;
 use super::extract::{BodyLimit, Caller, JsonBody, OptionalJsonBody};
 use super::tokens::path_token;
 use super::AppState;
-use crate::admin::{self, AdminError, AuditQuery, Window};
+use crate::admin::{self, AuditQuery, Window};
 use crate::auth::{Client, Role};
 use crate::domain::Reason;
-use crate::reconcile::{self, ReconcileError};
-
-impl From<AdminError> for ApiError {
-    fn from(e: AdminError) -> ApiError {
-        let message = e.to_string();
-        match e {
-            AdminError::TokenInvalid => ApiError::token_invalid(),
-            AdminError::TokenNotFound => {
-                ApiError::new(StatusCode::NOT_FOUND, "token_not_found", message)
-            }
-            AdminError::KeyNotFound => {
-                ApiError::new(StatusCode::NOT_FOUND, "key_not_found", message)
-            }
-            AdminError::InvalidCursor => {
-                ApiError::new(StatusCode::BAD_REQUEST, "invalid_cursor", message)
-            }
-            AdminError::InvalidRequest(m) => ApiError::invalid(m),
-            AdminError::Postgres(d) => postgres(d),
-        }
-    }
-}
-
-impl From<ReconcileError> for ApiError {
-    fn from(e: ReconcileError) -> ApiError {
-        match e {
-            ReconcileError::Running => ApiError::new(
-                StatusCode::CONFLICT,
-                "reconcile_running",
-                "another reconcile run holds the lock; try again when it has finished",
-            ),
-            ReconcileError::Postgres(d) => postgres(d),
-        }
-    }
-}
-
-/// Postgres errors answer as everywhere else: 503 `unavailable` with
-/// `Retry-After` when it cannot be reached, 500 otherwise.
-fn postgres(e: crate::durable::DurableError) -> ApiError {
-    crate::ledger::LedgerError::postgres(e).into()
-}
+use crate::reconcile;
 
 fn authorize(req: &HttpRequest, allowed: &[Role]) -> Result<Client, ApiError> {
     let Caller(client) = Caller::from_request(req, &mut Payload::None).into_inner()?;
@@ -200,10 +160,8 @@ pub async fn key(
         present(v).ok_or_else(|| ApiError::invalid(format!("`{name}` is required")))
     };
     let client = required("client", &query.client)?;
-    let biz = crate::domain::BizType::parse(&required("biz_type", &query.biz_type)?)
-        .map_err(|e| ApiError::invalid(e.to_string()))?;
-    let key = crate::domain::key::ClientKey::parse(&required("key", &query.key)?)
-        .map_err(|e| ApiError::invalid(e.to_string()))?;
+    let biz = crate::domain::BizType::parse(&required("biz_type", &query.biz_type)?)?;
+    let key = crate::domain::key::ClientKey::parse(&required("key", &query.key)?)?;
     let view = state.admin.key(&client, &biz, &key).await?;
     Ok(HttpResponse::Ok().json(view))
 }
@@ -245,7 +203,7 @@ pub async fn release(
     token: web::Path<String>,
     JsonBody(body): JsonBody<AdminReleaseRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let reason = Reason::parse(&body.reason).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let reason = Reason::parse(&body.reason)?;
     let text = path_token(&token)?;
     state
         .ledger
@@ -299,17 +257,15 @@ pub async fn release_key(
     AdminCaller(caller): AdminCaller,
     JsonBody(body): JsonBody<AdminKeyReleaseRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let reason = Reason::parse(&body.reason).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let reason = Reason::parse(&body.reason)?;
     let owner = body.client.trim();
     if owner.is_empty() || owner.len() > 64 {
         return Err(ApiError::invalid(
             "`client` must be a client's name (1 to 64 characters)",
         ));
     }
-    let biz = crate::domain::BizType::parse(&body.biz_type)
-        .map_err(|e| ApiError::invalid(e.to_string()))?;
-    let key = crate::domain::key::ClientKey::parse(&body.key)
-        .map_err(|e| ApiError::invalid(e.to_string()))?;
+    let biz = crate::domain::BizType::parse(&body.biz_type)?;
+    let key = crate::domain::key::ClientKey::parse(&body.key)?;
     state
         .ledger
         .release_key_by_admin(&caller, owner, &biz, &key, &reason)

@@ -22,12 +22,8 @@ pub async fn last(
     state: web::Data<AppState>,
     ReaderCaller(_): ReaderCaller,
 ) -> Result<HttpResponse, ApiError> {
-    // Postgres errors answer as on every admin route: 503 `unavailable`
-    // with Retry-After when it cannot be reached, 500 otherwise.
-    let last = state
-        .seals
-        .last()
-        .await
-        .map_err(|e| ApiError::from(crate::ledger::LedgerError::postgres(e)))?;
+    // Postgres errors answer as on every admin route (`From<DurableError>`):
+    // 503 `unavailable` with Retry-After when it cannot be reached, 500 otherwise.
+    let last = state.seals.last().await?;
     Ok(HttpResponse::Ok().json(last))
 }

@@ -1,13 +1,12 @@
 //! Client-supplied key routes (`/v1/keys`): consume, result, release and
 //! read. Handlers parse, call the ledger, and shape the answer; nothing else.
 
-use actix_web::http::StatusCode;
 use actix_web::{web, HttpResponse};
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 use utoipa::ToSchema;
 
-use super::error::ApiError;
+use super::error::{ApiError, Code};
 use super::extract::{BodyLimit, Caller, JsonBody};
 use super::tokens::{rfc3339, OutcomeResponse, REPLAYED};
 use super::AppState;
@@ -15,14 +14,9 @@ use crate::domain::key::ClientKey;
 use crate::domain::{BizType, Fingerprint, RequestId, Subject};
 use crate::ledger::{ConsumeAnswer, KeyInput, ResultAnswer};
 
-fn parse<T, E: std::fmt::Display>(r: Result<T, E>) -> Result<T, ApiError> {
-    r.map_err(|e| ApiError::invalid(e.to_string()))
-}
-
 fn key_not_found() -> ApiError {
     ApiError::new(
-        StatusCode::NOT_FOUND,
-        "key_not_found",
+        Code::KeyNotFound,
         "no consume of this key is known (never consumed, or forgotten after retention)",
     )
 }
@@ -57,26 +51,19 @@ impl BodyLimit for KeyConsumeRequest {}
 impl KeyConsumeRequest {
     fn parse(&self) -> Result<KeyInput, ApiError> {
         Ok(KeyInput {
-            biz_type: parse(BizType::parse(&self.biz_type))?,
-            key: parse(ClientKey::parse(&self.key))?,
-            subject: self
-                .subject
-                .as_deref()
-                .map(Subject::parse)
-                .transpose()
-                .map_err(|e| ApiError::invalid(e.to_string()))?,
+            biz_type: BizType::parse(&self.biz_type)?,
+            key: ClientKey::parse(&self.key)?,
+            subject: self.subject.as_deref().map(Subject::parse).transpose()?,
             fingerprint: self
                 .fingerprint
                 .as_deref()
                 .map(Fingerprint::parse)
-                .transpose()
-                .map_err(|e| ApiError::invalid(e.to_string()))?,
+                .transpose()?,
             request_id: self
                 .request_id
                 .as_deref()
                 .map(RequestId::parse)
-                .transpose()
-                .map_err(|e| ApiError::invalid(e.to_string()))?,
+                .transpose()?,
         })
     }
 }
@@ -206,9 +193,13 @@ pub async fn result(
     Caller(caller): Caller,
     JsonBody(body): JsonBody<KeyResultRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let biz = parse(BizType::parse(&body.biz_type))?;
-    let key = parse(ClientKey::parse(&body.key))?;
-    let of_request = parse(body.request_id.as_deref().map(RequestId::parse).transpose())?;
+    let biz = BizType::parse(&body.biz_type)?;
+    let key = ClientKey::parse(&body.key)?;
+    let of_request = body
+        .request_id
+        .as_deref()
+        .map(RequestId::parse)
+        .transpose()?;
     if crate::domain::json_holds_nul(&body.result) {
         return Err(ApiError::invalid(
             "`result` may not hold U+0000 in any string or key (Postgres cannot store it)",
@@ -261,9 +252,13 @@ pub async fn release(
     Caller(caller): Caller,
     JsonBody(body): JsonBody<KeyReleaseRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let biz = parse(BizType::parse(&body.biz_type))?;
-    let key = parse(ClientKey::parse(&body.key))?;
-    let of_request = parse(body.request_id.as_deref().map(RequestId::parse).transpose())?;
+    let biz = BizType::parse(&body.biz_type)?;
+    let key = ClientKey::parse(&body.key)?;
+    let of_request = body
+        .request_id
+        .as_deref()
+        .map(RequestId::parse)
+        .transpose()?;
     state
         .ledger
         .release_key(&caller, &biz, &key, of_request.as_ref())
@@ -317,18 +312,18 @@ pub async fn get(
     query: Result<web::Query<KeyQuery>, actix_web::Error>,
 ) -> Result<HttpResponse, ApiError> {
     let query = query.map_err(|_| ApiError::invalid("query must be ?biz_type=...&key=..."))?;
-    let biz = parse(BizType::parse(
+    let biz = BizType::parse(
         query
             .biz_type
             .as_deref()
             .ok_or_else(|| ApiError::invalid("`biz_type` is required"))?,
-    ))?;
-    let key = parse(ClientKey::parse(
+    )?;
+    let key = ClientKey::parse(
         query
             .key
             .as_deref()
             .ok_or_else(|| ApiError::invalid("`key` is required"))?,
-    ))?;
+    )?;
     let found = state
         .ledger
         .key_state(&caller, &biz, &key)

@@ -5,6 +5,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{ObjectBuilder, RefOr, ResponseBuilder, Type};
 use utoipa::{Modify, OpenApi};
 
+use super::error::Code;
 use super::{admin, audit_seal, keys, ops, orders, tokens, uncertain, ErrorBody};
 
 #[derive(OpenApi)]
@@ -64,40 +65,6 @@ impl Modify for BearerAuth {
         );
     }
 }
-
-/// Every error code an answer can carry (`ErrorBody.error`).
-pub const ERROR_CODES: &[&str] = &[
-    "invalid_request",
-    "unauthorized",
-    "forbidden",
-    "not_found",
-    "method_not_allowed",
-    "payload_too_large",
-    "unsupported_media_type",
-    "uri_too_long",
-    "headers_too_large",
-    "rate_limited",
-    "token_invalid",
-    "token_expired",
-    "token_mismatch",
-    "unknown_biz_type",
-    "fingerprint_mismatch",
-    "result_already_set",
-    "not_consumed",
-    "not_releasable",
-    "order_not_found",
-    "order_conflict",
-    "illegal_transition",
-    "refund_exceeds_paid",
-    "durable_token_required",
-    "token_already_used",
-    "token_not_found",
-    "key_not_found",
-    "invalid_cursor",
-    "reconcile_running",
-    "unavailable",
-    "internal",
-];
 
 /// Routes whose 200/201 may repeat an earlier answer (`Idempotent-Replayed`).
 const REPLAYING: &[&str] = &[
@@ -314,7 +281,7 @@ impl Modify for Common {
                     ObjectBuilder::new()
                         .schema_type(Type::String)
                         .description(Some("A stable code"))
-                        .enum_values(Some(ERROR_CODES.iter().copied()))
+                        .enum_values(Some(Code::ALL.iter().map(|c| c.as_str())))
                         .into(),
                 );
             }
@@ -498,6 +465,29 @@ mod tests {
             .as_array()
             .expect("enum");
         assert!(codes.iter().any(|c| c == "fingerprint_mismatch"));
+    }
+
+    /// A response's description names only codes that answer with its
+    /// status (`error::Code::status`, the one mapping).
+    #[test]
+    fn each_response_names_only_codes_of_its_status() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
+        for (path, item) in doc["paths"].as_object().expect("paths") {
+            for (method, op) in item.as_object().expect("operations") {
+                for (status, r) in op["responses"].as_object().into_iter().flatten() {
+                    let text = r["description"].as_str().unwrap_or("");
+                    for word in text.split(|c: char| !(c.is_ascii_lowercase() || c == '_')) {
+                        if let Some(code) = Code::ALL.iter().find(|c| c.as_str() == word) {
+                            assert_eq!(
+                                code.status().as_str(),
+                                status.as_str(),
+                                "{method} {path}: {word}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// Every path parameter is a `{name}` of its path, and the query strings

@@ -1,49 +1,18 @@
 //! Order routes: create, get, and the token-carrying events pay, refund and close.
 
-use actix_web::http::StatusCode;
 use actix_web::{web, HttpResponse};
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 use utoipa::ToSchema;
 
 use super::error::ApiError;
 use super::extract::{BodyLimit, Caller, JsonBody};
 use super::tokens::{rfc3339, REPLAYED};
 use super::AppState;
-use crate::domain::order::{OrderEvent, TransitionError};
+use crate::domain::order::OrderEvent;
 use crate::domain::{Fingerprint, OrderId, RequestId, Subject};
-use crate::orders::{Applied, CreateOrder, Created, EventInput, Order, OrderError};
+use crate::orders::{Applied, CreateOrder, Created, EventInput, Order};
 
 const MAX_AMOUNT: i64 = 1_000_000_000_000_000;
-
-impl From<OrderError> for ApiError {
-    fn from(e: OrderError) -> ApiError {
-        let message = e.to_string();
-        match e {
-            OrderError::NotFound => {
-                ApiError::new(StatusCode::NOT_FOUND, "order_not_found", message)
-            }
-            OrderError::Conflict => ApiError::new(StatusCode::CONFLICT, "order_conflict", message),
-            OrderError::Transition(TransitionError::Illegal { state, .. }) => {
-                ApiError::new(StatusCode::CONFLICT, "illegal_transition", message)
-                    .with("state", json!(state.as_str()))
-            }
-            OrderError::Transition(TransitionError::RefundExceedsPaid { refundable, .. }) => {
-                ApiError::new(StatusCode::CONFLICT, "refund_exceeds_paid", message)
-                    .with("refundable_minor", json!(refundable))
-            }
-            OrderError::DurableTokenRequired => ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "durable_token_required",
-                message,
-            ),
-            OrderError::TokenAlreadyUsed => {
-                ApiError::new(StatusCode::CONFLICT, "token_already_used", message)
-            }
-            OrderError::Ledger(e) => e.into(),
-        }
-    }
-}
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct OrderEventBody {
@@ -117,15 +86,13 @@ pub struct NewOrderRequest {
 }
 impl BodyLimit for NewOrderRequest {}
 
-fn invalid(message: &str) -> ApiError {
-    ApiError::invalid(message)
-}
-
 fn amount(n: i64, field: &str) -> Result<i64, ApiError> {
     if (1..=MAX_AMOUNT).contains(&n) {
         Ok(n)
     } else {
-        Err(invalid(&format!("`{field}` must be between 1 and 10^15")))
+        Err(ApiError::invalid(format!(
+            "`{field}` must be between 1 and 10^15"
+        )))
     }
 }
 
@@ -144,15 +111,17 @@ pub async fn create(
     JsonBody(body): JsonBody<NewOrderRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let req = CreateOrder {
-        order_id: OrderId::parse(&body.order_id).map_err(|e| invalid(&e.0))?,
-        subject: Subject::parse(&body.subject).map_err(|e| invalid(&e.0))?,
+        order_id: OrderId::parse(&body.order_id)?,
+        subject: Subject::parse(&body.subject)?,
         amount_minor: amount(body.amount_minor, "amount_minor")?,
         currency: {
             let c = &body.currency;
             if c.len() == 3 && c.bytes().all(|b| b.is_ascii_uppercase()) {
                 c.clone()
             } else {
-                return Err(invalid("`currency` must be three letters A-Z (ISO 4217)"));
+                return Err(ApiError::invalid(
+                    "`currency` must be three letters A-Z (ISO 4217)",
+                ));
             }
         },
     };
@@ -220,9 +189,7 @@ pub struct EventResponse {
 }
 
 fn request_id(r: Option<&str>) -> Result<Option<RequestId>, ApiError> {
-    r.map(RequestId::parse)
-        .transpose()
-        .map_err(|e| invalid(&e.0))
+    Ok(r.map(RequestId::parse).transpose()?)
 }
 
 async fn apply(
@@ -314,8 +281,7 @@ pub async fn pay(
             .fingerprint
             .as_deref()
             .map(Fingerprint::parse)
-            .transpose()
-            .map_err(|e| invalid(&e.0))?,
+            .transpose()?,
         request_id: request_id(body.request_id.as_deref())?,
         reason: None,
         token: body.token,
@@ -342,7 +308,7 @@ pub async fn refund(
         .as_ref()
         .is_some_and(|r| r.chars().count() > 256 || r.chars().any(char::is_control))
     {
-        return Err(invalid(
+        return Err(ApiError::invalid(
             "`reason` must be at most 256 characters without control characters",
         ));
     }

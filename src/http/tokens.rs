@@ -18,10 +18,6 @@ pub const REPLAYED: &str = "Idempotent-Replayed";
 
 pub use crate::admin::time as rfc3339;
 
-fn parse<T, E: std::fmt::Display>(r: Result<T, E>) -> Result<T, ApiError> {
-    r.map_err(|e| ApiError::invalid(e.to_string()))
-}
-
 /// A token in a path: too long or ill-formed is `token_invalid` before anything else.
 pub fn path_token(raw: &str) -> Result<&str, ApiError> {
     if raw.is_empty() || raw.len() > MAX_TOKEN_LEN {
@@ -74,8 +70,8 @@ pub async fn issue(
     Caller(caller): Caller,
     JsonBody(body): JsonBody<IssueRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let biz = parse(BizType::parse(&body.biz_type))?;
-    let subject = parse(Subject::parse(&body.subject))?;
+    let biz = BizType::parse(&body.biz_type)?;
+    let subject = Subject::parse(&body.subject)?;
     let issued = state
         .ledger
         .issue(&caller, &biz, &subject, body.ttl_seconds)
@@ -125,18 +121,18 @@ pub async fn generate(
     query: Result<web::Query<GenerateQuery>, actix_web::Error>,
 ) -> Result<HttpResponse, ApiError> {
     let query = query.map_err(|_| ApiError::invalid("query must be ?bizType=...&userId=..."))?;
-    let biz = parse(BizType::parse(
+    let biz = BizType::parse(
         query
             .biz_type
             .as_deref()
             .ok_or_else(|| ApiError::invalid("`bizType` is required"))?,
-    ))?;
-    let subject = parse(Subject::parse(
+    )?;
+    let subject = Subject::parse(
         query
             .user_id
             .as_deref()
             .ok_or_else(|| ApiError::invalid("`userId` is required"))?,
-    ))?;
+    )?;
     let issued = state.ledger.issue(&caller, &biz, &subject, None).await?;
     Ok(HttpResponse::Ok().json(GenerateResponse {
         token: issued.token,
@@ -180,25 +176,18 @@ pub fn wait_of(wait_ms: Option<u64>) -> Result<std::time::Duration, ApiError> {
 impl ConsumeRequest {
     pub fn parse(&self) -> Result<ConsumeInput, ApiError> {
         Ok(ConsumeInput {
-            subject: parse(Subject::parse(&self.subject))?,
-            biz_type: self
-                .biz_type
-                .as_deref()
-                .map(BizType::parse)
-                .transpose()
-                .map_err(|e| ApiError::invalid(e.to_string()))?,
+            subject: Subject::parse(&self.subject)?,
+            biz_type: self.biz_type.as_deref().map(BizType::parse).transpose()?,
             fingerprint: self
                 .fingerprint
                 .as_deref()
                 .map(Fingerprint::parse)
-                .transpose()
-                .map_err(|e| ApiError::invalid(e.to_string()))?,
+                .transpose()?,
             request_id: self
                 .request_id
                 .as_deref()
                 .map(RequestId::parse)
-                .transpose()
-                .map_err(|e| ApiError::invalid(e.to_string()))?,
+                .transpose()?,
         })
     }
 }
@@ -337,15 +326,18 @@ pub async fn result(
     token: web::Path<String>,
     JsonBody(body): JsonBody<ResultRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let subject = parse(Subject::parse(&body.subject))?;
+    let subject = Subject::parse(&body.subject)?;
     if crate::domain::json_holds_nul(&body.result) {
         return Err(ApiError::invalid(
             "`result` may not hold U+0000 in any string or key (Postgres cannot store it)",
         ));
     }
     let token = path_token(&token)?;
-    let of_request = body.request_id.as_deref().map(RequestId::parse).transpose();
-    let of_request = parse(of_request)?;
+    let of_request = body
+        .request_id
+        .as_deref()
+        .map(RequestId::parse)
+        .transpose()?;
     let answer = state
         .ledger
         .record_result(&caller, token, &subject, &body.result, of_request.as_ref())
@@ -390,9 +382,13 @@ pub async fn release(
     token: web::Path<String>,
     JsonBody(body): JsonBody<ReleaseRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let subject = parse(Subject::parse(&body.subject))?;
+    let subject = Subject::parse(&body.subject)?;
     let token = path_token(&token)?;
-    let of_request = parse(body.request_id.as_deref().map(RequestId::parse).transpose())?;
+    let of_request = body
+        .request_id
+        .as_deref()
+        .map(RequestId::parse)
+        .transpose()?;
     state
         .ledger
         .release(&caller, token, &subject, of_request.as_ref())
@@ -472,7 +468,7 @@ pub async fn state(
 ) -> Result<HttpResponse, ApiError> {
     let query = query.map_err(|_| ApiError::invalid("the query takes only `subject`"))?;
     let subject = match query.subject.as_deref() {
-        Some(s) => Some(parse(Subject::parse(s))?),
+        Some(s) => Some(Subject::parse(s)?),
         None if caller.reads_all() => None,
         None => return Err(ApiError::invalid("`subject` is required")),
     };

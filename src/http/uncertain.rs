@@ -4,7 +4,6 @@
 //! `POST /v1/admin/keys/result`, admins), which resolves an uncertain item
 //! once the payment provider says what happened.
 
-use actix_web::http::StatusCode;
 use actix_web::{web, HttpResponse};
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine;
@@ -18,7 +17,7 @@ use super::error::ApiError;
 use super::extract::{BodyLimit, JsonBody};
 use super::tokens::{path_token, OutcomeResponse};
 use super::AppState;
-use crate::admin::time;
+use crate::admin::{time, AdminError};
 use crate::domain::key::ClientKey;
 use crate::domain::{BizType, Reason};
 use crate::durable::leases::UncertainRow;
@@ -27,26 +26,19 @@ use crate::ledger::ResultAnswer;
 const DEFAULT_LIMIT: i64 = 100;
 const MAX_LIMIT: i64 = 1000;
 
-fn invalid_cursor() -> ApiError {
-    ApiError::new(
-        StatusCode::BAD_REQUEST,
-        "invalid_cursor",
-        "the cursor is not one this service handed out",
-    )
-}
-
 fn encode_cursor(at: DateTime<Utc>, id: i64) -> String {
     URL_SAFE_NO_PAD.encode(format!("{}:{id}", at.timestamp_micros()))
 }
 
-fn decode_cursor(text: &str) -> Result<(DateTime<Utc>, i64), ApiError> {
-    let raw = URL_SAFE_NO_PAD.decode(text).map_err(|_| invalid_cursor())?;
-    let raw = String::from_utf8(raw).map_err(|_| invalid_cursor())?;
-    let (micros, id) = raw.split_once(':').ok_or_else(invalid_cursor)?;
-    let micros: i64 = micros.parse().map_err(|_| invalid_cursor())?;
-    let id: i64 = id.parse().map_err(|_| invalid_cursor())?;
-    let at = DateTime::from_timestamp_micros(micros).ok_or_else(invalid_cursor)?;
-    Ok((at, id))
+/// A cursor [`encode_cursor`] made; anything else is 400 `invalid_cursor`.
+fn decode_cursor(text: &str) -> Result<(DateTime<Utc>, i64), AdminError> {
+    let decoded = || {
+        let raw = String::from_utf8(URL_SAFE_NO_PAD.decode(text).ok()?).ok()?;
+        let (micros, id) = raw.split_once(':')?;
+        let at = DateTime::from_timestamp_micros(micros.parse().ok()?)?;
+        Some((at, id.parse().ok()?))
+    };
+    decoded().ok_or(AdminError::InvalidCursor)
 }
 
 /// Query of `GET /v1/admin/uncertain`; empty values count as absent.
@@ -130,10 +122,7 @@ pub async fn list(
     query: Result<web::Query<UncertainParams>, actix_web::Error>,
 ) -> Result<HttpResponse, ApiError> {
     let query = query.map_err(|e| ApiError::invalid(format!("bad query: {e}")))?;
-    let biz = present(&query.biz_type)
-        .map(BizType::parse)
-        .transpose()
-        .map_err(|e| ApiError::invalid(e.to_string()))?;
+    let biz = present(&query.biz_type).map(BizType::parse).transpose()?;
     let limit = match present(&query.limit) {
         None => DEFAULT_LIMIT,
         Some(s) => s
@@ -249,7 +238,7 @@ pub async fn token_result(
     token: web::Path<String>,
     JsonBody(body): JsonBody<AdminResultRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let reason = Reason::parse(&body.reason).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let reason = Reason::parse(&body.reason)?;
     checked_result(&body.result)?;
     let text = path_token(&token)?;
     let answer = state
@@ -281,7 +270,7 @@ pub async fn key_result(
     AdminCaller(caller): AdminCaller,
     JsonBody(body): JsonBody<AdminKeyResultRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let reason = Reason::parse(&body.reason).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let reason = Reason::parse(&body.reason)?;
     checked_result(&body.result)?;
     let owner = body.client.trim();
     if owner.is_empty() || owner.len() > 64 {
@@ -289,8 +278,8 @@ pub async fn key_result(
             "`client` must be a client's name (1 to 64 characters)",
         ));
     }
-    let biz = BizType::parse(&body.biz_type).map_err(|e| ApiError::invalid(e.to_string()))?;
-    let key = ClientKey::parse(&body.key).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let biz = BizType::parse(&body.biz_type)?;
+    let key = ClientKey::parse(&body.key)?;
     let answer = state
         .ledger
         .record_key_result_by_admin(&caller, owner, &biz, &key, &body.result, &reason)
