@@ -44,7 +44,8 @@
 //! - [`startup`]: building and running the service, in steps (Postgres,
 //!   metrics, Redis, the components, the background tasks, the server).
 //! - [`tasks`]: who owns what runs in the background: the named background
-//!   tasks, started and stopped together.
+//!   tasks, started and stopped together, and the writes a request leaves
+//!   running off its answer's path.
 //! - [`cli`]: the command line.
 //! - [`telemetry`]: structured logs.
 //! - [`tls`]: rustls for Postgres (`sslmode`, `sslrootcert`) and Redis CA files.

@@ -2,8 +2,8 @@
 //! the database when missing, migrates, checks, leases a worker id, builds
 //! the components, starts the background tasks (one owned, named set:
 //! [`crate::tasks`]) and binds (port 0 in tests); `run_until_stopped`
-//! serves until SIGTERM/SIGINT, then drains requests, stops the tasks and
-//! flushes buffers, each bounded.
+//! serves until SIGTERM/SIGINT, then drains requests, waits for the writes
+//! they left running, stops the tasks and flushes buffers, each bounded.
 
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -30,7 +30,7 @@ use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::orders::Orders;
 use crate::reconcile::Reconciler;
-use crate::tasks::Tasks;
+use crate::tasks::{OffPath, Tasks};
 use crate::token::Clock;
 use crate::writer::WriterTask;
 use crate::{bloom, journal, reconcile, writer};
@@ -53,8 +53,11 @@ pub struct Application {
     ledger: Arc<Ledger>,
     pools: Pools,
     tasks: Tasks,
+    off_path: OffPath,
 }
 
+/// How long shutdown waits for the writes requests left running.
+const OFF_PATH_BOUND: Duration = Duration::from_secs(5);
 /// How long shutdown waits for the background tasks, all together (the
 /// issuance writer's last flush is the longest: [`writer::SHUTDOWN_DRAIN`]).
 const TASKS_BOUND: Duration = Duration::from_secs(10);
@@ -71,6 +74,7 @@ struct Parts {
     changes: Arc<Changes>,
     ledger: Arc<Ledger>,
     seals: Seals,
+    off_path: OffPath,
 }
 
 impl Application {
@@ -105,6 +109,7 @@ impl Application {
             ledger: parts.ledger,
             pools: parts.pools,
             tasks,
+            off_path: parts.off_path,
         })
     }
 
@@ -122,11 +127,12 @@ impl Application {
     }
 
     /// Serves until stopped, then flushes: in-flight requests finish, the
-    /// background tasks stop (queued issuance records are written, the
-    /// worker id is given back).
+    /// writes they left running end, the background tasks stop (queued
+    /// issuance records are written, the worker id is given back).
     pub async fn run_until_stopped(self) -> anyhow::Result<()> {
         let served = self.server.await;
         tracing::info!("stopping: flushing buffers");
+        self.off_path.drain(OFF_PATH_BOUND).await;
         self.tasks.stop(TASKS_BOUND).await;
         self.pools.close().await;
         served.context("http server")
@@ -161,7 +167,8 @@ impl Parts {
             clock.clone(),
             lease.clone(),
         );
-        let changes = Arc::new(Changes::new(pools.hot.clone()));
+        let off_path = OffPath::new();
+        let changes = Arc::new(Changes::new(pools.hot.clone(), off_path.clone()));
         metrics
             .registry
             .register(Box::new(crate::changes::WaitingGauge::new(changes.clone())))
@@ -175,6 +182,7 @@ impl Parts {
             metrics,
             writer,
             changes.clone(),
+            off_path.clone(),
         ));
         // Sealed audit checkpoints, on the admin pool (one instance at a time).
         let seals = Seals::new(&settings.audit, pools.admin.clone());
@@ -187,6 +195,7 @@ impl Parts {
             changes,
             ledger,
             seals,
+            off_path,
         };
         Ok((parts, writer_task))
     }
