@@ -21,6 +21,8 @@ use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use crate::tasks::OffPath;
+
 /// The Postgres channel every instance listens on.
 pub const CHANNEL: &str = "ledger_changes";
 
@@ -29,6 +31,8 @@ pub const CHANNEL: &str = "ledger_changes";
 pub struct Changes {
     waiters: Mutex<HashMap<i64, (Arc<Notify>, usize)>>,
     pool: PgPool,
+    /// Where the notifications to the fleet are sent from.
+    off_path: OffPath,
 }
 
 /// One registration; deregisters when dropped.
@@ -60,10 +64,12 @@ impl Drop for Watch<'_> {
 }
 
 impl Changes {
-    pub fn new(pool: PgPool) -> Changes {
+    /// `off_path`: where the notifications to the fleet run (see [`Changes::changed`]).
+    pub fn new(pool: PgPool, off_path: OffPath) -> Changes {
         Changes {
             waiters: Mutex::new(HashMap::new()),
             pool,
+            off_path,
         }
     }
 
@@ -111,7 +117,7 @@ impl Changes {
     pub fn changed(self: &Arc<Self>, id: i64) {
         self.wake(id);
         let pool = self.pool.clone();
-        tokio::spawn(async move {
+        self.off_path.spawn(async move {
             let sent = sqlx::query("SELECT pg_notify($1, $2)")
                 .bind(CHANNEL)
                 .bind(id.to_string())

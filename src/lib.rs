@@ -41,7 +41,11 @@
 //! - [`audit_seal`]: sealed audit checkpoints: the job that chains and
 //!   authenticates new audit events, and `audit verify` (`audit_seal/chain.rs`: the arithmetic).
 //! - [`http`]: routes, extractors, errors, OpenAPI.
-//! - [`startup`]: building and running the service.
+//! - [`startup`]: building and running the service, in steps (Postgres,
+//!   metrics, Redis, the components, the background tasks, the server).
+//! - [`tasks`]: who owns what runs in the background: the named background
+//!   tasks, started and stopped together, and the writes a request leaves
+//!   running off its answer's path.
 //! - [`cli`]: the command line.
 //! - [`telemetry`]: structured logs.
 //! - [`tls`]: rustls for Postgres (`sslmode`, `sslrootcert`) and Redis CA files.
@@ -83,6 +87,7 @@ pub mod metrics;
 pub mod orders;
 pub mod reconcile;
 pub mod startup;
+pub mod tasks;
 pub mod telemetry;
 pub mod tls;
 pub mod token;

@@ -1,7 +1,9 @@
 //! Building and running the service: `Application::build(settings, opts, clock)` creates
-//! the database when missing, migrates, checks, leases a worker id, binds
-//! (port 0 in tests) and starts the background tasks; `run_until_stopped`
-//! serves until SIGTERM/SIGINT, then drains requests and flushes buffers.
+//! the database when missing, migrates, checks, leases a worker id, builds
+//! the components, starts the background tasks (one owned, named set:
+//! [`crate::tasks`]) and binds (port 0 in tests); `run_until_stopped`
+//! serves until SIGTERM/SIGINT, then drains requests, waits for the writes
+//! they left running, stops the tasks and flushes buffers, each bounded.
 
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -10,7 +12,7 @@ use std::time::Duration;
 use actix_web::dev::Server;
 use actix_web::{middleware, web, App, HttpServer};
 use anyhow::Context;
-use tokio::task::JoinHandle;
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::Admin;
@@ -28,7 +30,9 @@ use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::orders::Orders;
 use crate::reconcile::Reconciler;
+use crate::tasks::{OffPath, Tasks};
 use crate::token::Clock;
+use crate::writer::WriterTask;
 use crate::{bloom, journal, reconcile, writer};
 
 #[derive(Debug, Clone, Copy)]
@@ -48,10 +52,29 @@ pub struct Application {
     server: Server,
     ledger: Arc<Ledger>,
     pools: Pools,
-    shutdown: CancellationToken,
-    tasks: Vec<JoinHandle<()>>,
-    writer_task: JoinHandle<()>,
-    lease_task: JoinHandle<()>,
+    tasks: Tasks,
+    off_path: OffPath,
+}
+
+/// How long shutdown waits for the writes requests left running.
+const OFF_PATH_BOUND: Duration = Duration::from_secs(5);
+/// How long shutdown waits for the background tasks, all together (the
+/// issuance writer's last flush is the longest: [`writer::SHUTDOWN_DRAIN`]).
+const TASKS_BOUND: Duration = Duration::from_secs(10);
+
+/// What the service is made of before anything runs: built in this order
+/// by [`Parts::assemble`], then shared by the background tasks and the
+/// routes.
+struct Parts {
+    settings: Arc<Settings>,
+    clock: Arc<dyn Clock>,
+    pools: Pools,
+    fast: Arc<FastTier>,
+    lease: Arc<WorkerLease>,
+    changes: Arc<Changes>,
+    ledger: Arc<Ledger>,
+    seals: Seals,
+    off_path: OffPath,
 }
 
 impl Application {
@@ -63,151 +86,13 @@ impl Application {
         clock: Arc<dyn Clock>,
     ) -> anyhow::Result<Application> {
         crate::tls::install_provider();
-        let settings = Arc::new(settings);
-        if opts.migrate {
-            setup::create_database_if_missing(&settings.postgres.url).await?;
-            setup::migrate(&settings.postgres.url).await?;
-        }
-        let pools = Pools::new(&settings.postgres).context("postgres.url")?;
-        setup::check_durability(&pools)
-            .await
-            .map_err(|e| setup::name_postgres_url(&settings.postgres.url, e))?;
-
-        let metrics = Arc::new(Metrics::new());
-        metrics
-            .registry
-            .register(Box::new(PoolUsage::new(
-                &pools,
-                settings.postgres.pool_size,
-                settings.postgres.admin_pool_size,
-            )))
-            .context("registering the pool metrics")?;
-        metrics
-            .registry
-            .register(Box::new(reconcile::last_run_metrics(pools.admin.clone())))
-            .and_then(|_| {
-                metrics
-                    .registry
-                    .register(Box::new(reconcile::conflict_metric(pools.admin.clone())))
-            })
-            .context("registering the reconcile metrics")?;
-        metrics
-            .registry
-            .register(Box::new(crate::ledger::uncertain_metric(
-                pools.admin.clone(),
-                settings.biz.keys().map(|b| b.to_string()).collect(),
-            )))
-            .context("registering the uncertain items metric")?;
-        metrics
-            .registry
-            .register(Box::new(audit_seal::last_seal_metric(pools.admin.clone())))
-            .context("registering the audit seal metric")?;
-        let fast = FastTier::new(settings.redis.clone(), metrics.clone(), clock.clone());
-        // Cluster: a journal entry whose XADD failed goes to Postgres before
-        // the answer (see `FastTier::append_or_queue`).
-        let journal_pool = pools.hot.clone();
-        fast.set_journal_fallback(Arc::new(move |entry| {
-            let pool = journal_pool.clone();
-            Box::pin(async move {
-                match journal::apply_entries(&pool, std::slice::from_ref(&entry)).await {
-                    Ok(()) => true,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "journal entry not applied to postgres directly");
-                        false
-                    }
-                }
-            })
-        }));
-        fast.check_tls().await?;
-        metrics
-            .registry
-            .register(Box::new(journal::lag_metric(&fast)))
-            .context("registering the journal metrics")?;
-        match fast.maxmemory_policy().await {
-            Some(policy) if policy != "noeviction" => {
-                metrics.redis_eviction_unsafe.set(1);
-                tracing::warn!(
-                    %policy,
-                    "REDIS maxmemory-policy is not noeviction: under memory pressure Redis evicts tokens, and fast biz types lose their exactly-once guarantee"
-                );
-            }
-            Some(_) => {}
-            None => tracing::warn!("could not read redis maxmemory-policy (redis down or cluster)"),
-        }
-
-        let lease = WorkerLease::acquire(
-            &pools.hot,
-            settings.tokens.worker_lease_ttl,
-            settings.bloom.horizon * 2,
-            clock.clone(),
-        )
-        .await
-        .context("leasing a snowflake worker id")?;
-        let (writer, writer_rx) = writer::writer(
-            settings.tokens.issue_buffer,
-            pools.hot.clone(),
-            metrics.clone(),
-            clock.clone(),
-            lease.clone(),
-        );
-        let changes = Arc::new(Changes::new(pools.hot.clone()));
-        metrics
-            .registry
-            .register(Box::new(crate::changes::WaitingGauge::new(changes.clone())))
-            .context("registering the waiting consumes metric")?;
-        let ledger = Arc::new(Ledger::new(
-            settings.clone(),
-            clock.clone(),
-            lease.clone(),
-            fast.clone(),
-            pools.clone(),
-            metrics.clone(),
-            writer,
-            changes.clone(),
-        ));
-
-        let shutdown = CancellationToken::new();
-        let writer_task = tokio::spawn(writer_rx.run(shutdown.clone()));
-        let lease_task = tokio::spawn(lease.clone().run(pools.hot.clone(), shutdown.clone()));
-        let consumer = format!("worker-{}", lease.worker_id());
+        let (parts, writer) = Parts::assemble(Arc::new(settings), opts, clock).await?;
         // The first report before the first request: the gate for Redis
         // decisions opens only once the fleet has counted this instance.
-        ledger.fleet().beat().await;
-        let mut tasks = vec![
-            tokio::spawn(ledger.fleet().clone().run(shutdown.clone())),
-            tokio::spawn(
-                Drainer::new(fast.clone(), pools.hot.clone(), consumer).run(shutdown.clone()),
-            ),
-            tokio::spawn(watch_redis(ledger.clone(), shutdown.clone())),
-            tokio::spawn(prune_rate_limiters(ledger.clone(), shutdown.clone())),
-            tokio::spawn(changes.listen(shutdown.clone())),
-            tokio::spawn(crate::ledger::run_sweeps(ledger.clone(), shutdown.clone())),
-        ];
-        // Sealed audit checkpoints, on the admin pool (one instance at a time).
-        let seals = Seals::new(&settings.audit, pools.admin.clone());
-        tasks.push(tokio::spawn(seals.clone().run(shutdown.clone())));
-        // The issued-token filter: listen, load, then keep listening. Start-up
-        // waits for the first load (bounded): until then it fails open.
-        let (bloom_ready, bloom_loaded) = tokio::sync::oneshot::channel();
-        tasks.push(tokio::spawn(bloom::run(
-            ledger.bloom().clone(),
-            settings.postgres.clone(),
-            pools.clone(),
-            clock.clone(),
-            shutdown.clone(),
-            bloom_ready,
-        )));
-        tasks.push(tokio::spawn(bloom::reread_marks(
-            ledger.bloom().clone(),
-            pools.clone(),
-            clock.clone(),
-            shutdown.clone(),
-        )));
-        tasks.push(tokio::spawn(bloom::maintain(
-            ledger.bloom().clone(),
-            clock.clone(),
-            shutdown.clone(),
-        )));
+        parts.ledger.fleet().beat().await;
+        let (tasks, bloom_loaded) = parts.start_tasks(writer);
+        // Start-up waits for the filter's first load (bounded): until then
+        // it fails open.
         if tokio::time::timeout(Duration::from_secs(60), bloom_loaded)
             .await
             .is_err()
@@ -216,48 +101,15 @@ impl Application {
                 "bloom filter still loading; unknown tokens go on to the tiers until it is synced"
             );
         }
-
-        let listener = TcpListener::bind(settings.server.listen)
-            .with_context(|| format!("binding {}", settings.server.listen))?;
-        let port = listener.local_addr()?.port();
-        let state = web::Data::new(AppState {
-            ledger: ledger.clone(),
-            orders: Orders::new(ledger.clone(), pools.clone()),
-            admin: Admin::new(&settings, pools.admin.clone()),
-            reconciler: Reconciler::new(
-                &settings,
-                pools.admin.clone(),
-                fast.clone(),
-                clock.clone(),
-            ),
-            clients: Clients::new(settings.clients.clone()),
-            limits: settings.limits.clone(),
-            seals,
-        });
-        let mut server = HttpServer::new(move || {
-            App::new()
-                .app_data(state.clone())
-                .wrap(middleware::from_fn(http::limits::guard))
-                .wrap(middleware::from_fn(http::observe))
-                .configure(http::routes)
-        })
-        .shutdown_timeout(settings.server.shutdown_timeout.as_secs().max(1))
-        .client_request_timeout(settings.limits.request_head_timeout)
-        .max_connection_rate(1024);
-        if let Some(w) = settings.server.workers {
-            server = server.workers(w);
-        }
-        let server = server.listen(listener)?.run();
-        tracing::info!(port, worker_id = lease.worker_id(), "listening");
+        let (server, port) = parts.serve()?;
+        tracing::info!(port, worker_id = parts.lease.worker_id(), "listening");
         Ok(Application {
             port,
             server,
-            ledger,
-            pools,
-            shutdown,
+            ledger: parts.ledger,
+            pools: parts.pools,
             tasks,
-            writer_task,
-            lease_task,
+            off_path: parts.off_path,
         })
     }
 
@@ -274,20 +126,251 @@ impl Application {
         self.server.handle()
     }
 
-    /// Serves until stopped, then flushes: in-flight requests finish, queued
-    /// issuance records are written, the worker id is given back.
+    /// Serves until stopped, then flushes: in-flight requests finish, the
+    /// writes they left running end, the background tasks stop (queued
+    /// issuance records are written, the worker id is given back).
     pub async fn run_until_stopped(self) -> anyhow::Result<()> {
         let served = self.server.await;
         tracing::info!("stopping: flushing buffers");
-        self.shutdown.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(10), self.writer_task).await;
-        let _ = tokio::time::timeout(Duration::from_secs(5), self.lease_task).await;
-        for t in self.tasks {
-            t.abort();
-        }
+        self.off_path.drain(OFF_PATH_BOUND).await;
+        self.tasks.stop(TASKS_BOUND).await;
         self.pools.close().await;
         served.context("http server")
     }
+}
+
+impl Parts {
+    /// Postgres (created, migrated and checked), the metrics, Redis, the
+    /// worker id, then the components over them; returns the issuance
+    /// writer's task with them, not yet started.
+    async fn assemble(
+        settings: Arc<Settings>,
+        opts: BuildOptions,
+        clock: Arc<dyn Clock>,
+    ) -> anyhow::Result<(Parts, WriterTask)> {
+        let pools = open_postgres(&settings, opts).await?;
+        let metrics = Arc::new(Metrics::new());
+        register_postgres_metrics(&metrics, &pools, &settings)?;
+        let fast = open_redis(&settings, &pools, &metrics, &clock).await?;
+        let lease = WorkerLease::acquire(
+            &pools.hot,
+            settings.tokens.worker_lease_ttl,
+            settings.bloom.horizon * 2,
+            clock.clone(),
+        )
+        .await
+        .context("leasing a snowflake worker id")?;
+        let (writer, writer_task) = writer::writer(
+            settings.tokens.issue_buffer,
+            pools.hot.clone(),
+            metrics.clone(),
+            clock.clone(),
+            lease.clone(),
+        );
+        let off_path = OffPath::new();
+        let changes = Arc::new(Changes::new(pools.hot.clone(), off_path.clone()));
+        metrics
+            .registry
+            .register(Box::new(crate::changes::WaitingGauge::new(changes.clone())))
+            .context("registering the waiting consumes metric")?;
+        let ledger = Arc::new(Ledger::new(
+            settings.clone(),
+            clock.clone(),
+            lease.clone(),
+            fast.clone(),
+            pools.clone(),
+            metrics,
+            writer,
+            changes.clone(),
+            off_path.clone(),
+        ));
+        // Sealed audit checkpoints, on the admin pool (one instance at a time).
+        let seals = Seals::new(&settings.audit, pools.admin.clone());
+        let parts = Parts {
+            settings,
+            clock,
+            pools,
+            fast,
+            lease,
+            changes,
+            ledger,
+            seals,
+            off_path,
+        };
+        Ok((parts, writer_task))
+    }
+
+    /// Starts every background task; the receiver hears when the
+    /// issued-token filter has its first load.
+    fn start_tasks(&self, writer: WriterTask) -> (Tasks, oneshot::Receiver<()>) {
+        let mut tasks = Tasks::new();
+        let ledger = &self.ledger;
+        tasks.spawn("issuance_writer", |stop| writer.run(stop));
+        let (lease, hot) = (self.lease.clone(), self.pools.hot.clone());
+        tasks.spawn("worker_lease", |stop| lease.run(hot, stop));
+        tasks.spawn("fleet", |stop| ledger.fleet().clone().run(stop));
+        let consumer = format!("worker-{}", self.lease.worker_id());
+        let drainer = Drainer::new(self.fast.clone(), self.pools.hot.clone(), consumer);
+        tasks.spawn("journal_drainer", |stop| drainer.run(stop));
+        tasks.spawn("redis_watch", |stop| watch_redis(ledger.clone(), stop));
+        tasks.spawn("rate_limit_prune", |stop| {
+            prune_rate_limiters(ledger.clone(), stop)
+        });
+        tasks.spawn("changes_listener", |stop| self.changes.clone().listen(stop));
+        tasks.spawn("sweeps", |stop| {
+            crate::ledger::run_sweeps(ledger.clone(), stop)
+        });
+        tasks.spawn("audit_seal", |stop| self.seals.clone().run(stop));
+        // The issued-token filter: listen, load, then keep listening.
+        let (bloom_ready, bloom_loaded) = oneshot::channel();
+        tasks.spawn("bloom_sync", |stop| {
+            bloom::run(
+                ledger.bloom().clone(),
+                self.settings.postgres.clone(),
+                self.pools.clone(),
+                self.clock.clone(),
+                stop,
+                bloom_ready,
+            )
+        });
+        tasks.spawn("bloom_marks", |stop| {
+            bloom::reread_marks(
+                ledger.bloom().clone(),
+                self.pools.clone(),
+                self.clock.clone(),
+                stop,
+            )
+        });
+        tasks.spawn("bloom_maintain", |stop| {
+            bloom::maintain(ledger.bloom().clone(), self.clock.clone(), stop)
+        });
+        tracing::debug!(tasks = ?tasks.names(), "background tasks started");
+        (tasks, bloom_loaded)
+    }
+
+    /// Binds `server.listen` (port 0: any) and starts serving the routes.
+    fn serve(&self) -> anyhow::Result<(Server, u16)> {
+        let settings = &self.settings;
+        let listener = TcpListener::bind(settings.server.listen)
+            .with_context(|| format!("binding {}", settings.server.listen))?;
+        let port = listener.local_addr()?.port();
+        let state = web::Data::new(AppState {
+            ledger: self.ledger.clone(),
+            orders: Orders::new(self.ledger.clone(), self.pools.clone()),
+            admin: Admin::new(settings, self.pools.admin.clone()),
+            reconciler: Reconciler::new(
+                settings,
+                self.pools.admin.clone(),
+                self.fast.clone(),
+                self.clock.clone(),
+            ),
+            clients: Clients::new(settings.clients.clone()),
+            limits: settings.limits.clone(),
+            seals: self.seals.clone(),
+        });
+        let mut server = HttpServer::new(move || {
+            App::new()
+                .app_data(state.clone())
+                .wrap(middleware::from_fn(http::limits::guard))
+                .wrap(middleware::from_fn(http::observe))
+                .configure(http::routes)
+        })
+        .shutdown_timeout(settings.server.shutdown_timeout.as_secs().max(1))
+        .client_request_timeout(settings.limits.request_head_timeout)
+        .max_connection_rate(1024);
+        if let Some(w) = settings.server.workers {
+            server = server.workers(w);
+        }
+        Ok((server.listen(listener)?.run(), port))
+    }
+}
+
+/// Creates the database when missing and migrates (`opts.migrate`), opens
+/// the pools and checks that Postgres makes a commit durable.
+async fn open_postgres(settings: &Settings, opts: BuildOptions) -> anyhow::Result<Pools> {
+    if opts.migrate {
+        setup::create_database_if_missing(&settings.postgres.url).await?;
+        setup::migrate(&settings.postgres.url).await?;
+    }
+    let pools = Pools::new(&settings.postgres).context("postgres.url")?;
+    setup::check_durability(&pools)
+        .await
+        .map_err(|e| setup::name_postgres_url(&settings.postgres.url, e))?;
+    Ok(pools)
+}
+
+/// The metrics read from Postgres on scrape: pool usage, reconcile's last
+/// run and conflicts, uncertain items, the last audit seal.
+fn register_postgres_metrics(
+    metrics: &Metrics,
+    pools: &Pools,
+    settings: &Settings,
+) -> anyhow::Result<()> {
+    let registry = &metrics.registry;
+    registry
+        .register(Box::new(PoolUsage::new(
+            pools,
+            settings.postgres.pool_size,
+            settings.postgres.admin_pool_size,
+        )))
+        .context("registering the pool metrics")?;
+    registry
+        .register(Box::new(reconcile::last_run_metrics(pools.admin.clone())))
+        .and_then(|_| registry.register(Box::new(reconcile::conflict_metric(pools.admin.clone()))))
+        .context("registering the reconcile metrics")?;
+    registry
+        .register(Box::new(crate::ledger::uncertain_metric(
+            pools.admin.clone(),
+            settings.biz.keys().map(|b| b.to_string()).collect(),
+        )))
+        .context("registering the uncertain items metric")?;
+    registry
+        .register(Box::new(audit_seal::last_seal_metric(pools.admin.clone())))
+        .context("registering the audit seal metric")?;
+    Ok(())
+}
+
+/// The Redis tier: its journal fallback to Postgres (cluster), its TLS
+/// checked, the journal lag metric, and a warning when Redis may evict.
+async fn open_redis(
+    settings: &Settings,
+    pools: &Pools,
+    metrics: &Arc<Metrics>,
+    clock: &Arc<dyn Clock>,
+) -> anyhow::Result<Arc<FastTier>> {
+    let fast = FastTier::new(settings.redis.clone(), metrics.clone(), clock.clone());
+    // Cluster: a journal entry whose XADD failed goes to Postgres before
+    // the answer (see `FastTier::append_or_queue`).
+    let journal_pool = pools.hot.clone();
+    fast.set_journal_fallback(Arc::new(move |entry| {
+        let pool = journal_pool.clone();
+        Box::pin(async move {
+            match journal::apply_entries(&pool, std::slice::from_ref(&entry)).await {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "journal entry not applied to postgres directly");
+                    false
+                }
+            }
+        })
+    }));
+    fast.check_tls().await?;
+    metrics
+        .registry
+        .register(Box::new(journal::lag_metric(&fast)))
+        .context("registering the journal metrics")?;
+    match fast.maxmemory_policy().await {
+        Some(policy) if policy != "noeviction" => {
+            metrics.redis_eviction_unsafe.set(1);
+            tracing::warn!(
+                %policy,
+                "REDIS maxmemory-policy is not noeviction: under memory pressure Redis evicts tokens, and fast biz types lose their exactly-once guarantee"
+            );
+        }
+        Some(_) => {}
+        None => tracing::warn!("could not read redis maxmemory-policy (redis down or cluster)"),
+    }
+    Ok(fast)
 }
 
 /// Forgets the issue-rate buckets of (client, subject) pairs that are full

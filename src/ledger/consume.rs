@@ -618,7 +618,7 @@ impl Ledger {
     pub(super) fn spawn_unclaim(&self, handle: &str, remaining: i64, owner: String) {
         let fast = self.fast.clone();
         let text = handle.to_owned();
-        tokio::spawn(async move {
+        self.off_path.spawn(async move {
             // If this fails the marker's deadline frees the token anyway.
             let _ = fast.unclaim(&text, &owner, remaining).await;
         });

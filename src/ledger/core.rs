@@ -24,6 +24,7 @@ use crate::fast::FastTier;
 use crate::health::Mode;
 use crate::lease::WorkerLease;
 use crate::metrics::Metrics;
+use crate::tasks::OffPath;
 use crate::token::{Clock, TokenCodec, TokenError, VerifiedToken};
 use crate::writer::Writer;
 
@@ -56,6 +57,10 @@ pub struct Ledger {
     pub(super) writebacks: Arc<WriteBacks>,
     /// Results and releases that waiting consumes wait for.
     pub(super) changes: Arc<Changes>,
+    /// Where the writes a request does not wait for run (write-backs,
+    /// markers given back, heals): the application waits for them at
+    /// shutdown.
+    pub(super) off_path: OffPath,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -90,6 +95,7 @@ impl Ledger {
         metrics: Arc<Metrics>,
         writer: Writer,
         changes: Arc<Changes>,
+        off_path: OffPath,
     ) -> Ledger {
         let bloom = Arc::new(IssuedFilter::new(settings.bloom.clone(), metrics.clone()));
         let batcher = ConsumeBatcher::new(pools.clone(), metrics.clone(), &settings.postgres);
@@ -106,7 +112,12 @@ impl Ledger {
             changes,
             batcher,
             fleet,
-            writebacks: Arc::new(WriteBacks::new(fast.clone(), resync.clone())),
+            writebacks: Arc::new(WriteBacks::new(
+                fast.clone(),
+                resync.clone(),
+                off_path.clone(),
+            )),
+            off_path,
             resync,
             fallback: Fallback::new(&settings.redis),
             limiters: IssueLimits::new(&settings),

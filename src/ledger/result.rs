@@ -258,7 +258,7 @@ impl Ledger {
                     // Heals a marker whose earlier write failed, off the path.
                     let fast = self.fast.clone();
                     let (text, gen, marker) = (held.handle.clone(), e.gen, marker_of_row(&e));
-                    tokio::spawn(async move {
+                    self.off_path.spawn(async move {
                         let _ = fast.write_consumed(&text, gen, &marker).await;
                     });
                     Ok(ResultAnswer::AlreadyRecorded)
@@ -549,7 +549,7 @@ impl Ledger {
                 let fast = self.fast.clone();
                 let resync = self.resync.clone();
                 let text = held.handle.clone();
-                tokio::spawn(async move {
+                self.off_path.spawn(async move {
                     if fast.write_issued(&text, gen, remaining).await.is_err() {
                         resync.push(Resync::Issued {
                             token: text,

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::degraded::{Resync, ResyncQueue};
 use crate::fast::{ConsumedWrite, FastTier};
+use crate::tasks::OffPath;
 
 /// The most write-backs of one pipeline (more wait for the next).
 const MAX_PIPELINE: usize = 256;
@@ -22,6 +23,8 @@ pub(super) struct WriteBacks {
     fast: Arc<FastTier>,
     resync: Arc<ResyncQueue>,
     state: Mutex<Pending>,
+    /// The sender runs here, so that shutdown waits for it.
+    off_path: OffPath,
 }
 
 #[derive(Default)]
@@ -32,11 +35,16 @@ struct Pending {
 }
 
 impl WriteBacks {
-    pub(super) fn new(fast: Arc<FastTier>, resync: Arc<ResyncQueue>) -> WriteBacks {
+    pub(super) fn new(
+        fast: Arc<FastTier>,
+        resync: Arc<ResyncQueue>,
+        off_path: OffPath,
+    ) -> WriteBacks {
         WriteBacks {
             fast,
             resync,
             state: Mutex::default(),
+            off_path,
         }
     }
 
@@ -54,7 +62,7 @@ impl WriteBacks {
         };
         if start {
             let me = self.clone();
-            tokio::spawn(async move { me.send_all().await });
+            self.off_path.spawn(async move { me.send_all().await });
         }
     }
 
