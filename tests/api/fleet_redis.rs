@@ -623,7 +623,7 @@ async fn an_idle_instances_failed_health_pings_are_evidence_but_not_serving_erro
     let link = Link::to(redis.port).await;
     let a = behind(&link, "redis.down_after = \"1s\"").await;
     assert_eq!(wait_fleet(&a, 10, "normal").await["redis"], "up");
-    use crate::metrics::{redis_calls, serving_errors as errors};
+    use crate::helpers::scrape::{redis_calls, serving_errors as errors};
     let pings = |text: &str| redis_calls(text, "ping");
     let before = a.metrics_text().await;
 

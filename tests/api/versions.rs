@@ -14,8 +14,7 @@ use chrono::{DateTime, TimeZone, Utc};
 use idempotency_ledger::config::Durability;
 use idempotency_ledger::durable::journal::{self, Decided, Entry, EntryKind, Versioned};
 use idempotency_ledger::durable::tokens::TokenRecord;
-use idempotency_ledger::fast::{Attempt, ConsumeMode, FastTier, Marker, ScriptOutcome};
-use idempotency_ledger::metrics::Metrics;
+use idempotency_ledger::fast::{Attempt, ConsumeMode, Marker, ScriptOutcome};
 use idempotency_ledger::token::{Clock, SystemClock};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -25,6 +24,7 @@ use serde_json::{json, Value};
 use sqlx::{PgPool, Row};
 
 use crate::helpers::procs::RedisProc;
+use crate::helpers::tiers::fast_tier;
 use crate::helpers::*;
 
 mod embedded {
@@ -613,12 +613,6 @@ redis.timeout = "300ms"
 redis.down_backoff = "300ms"
 "#;
 
-/// The fast tier on `stores`' prefix, as a test's own client of it.
-fn fast_tier(stores: &Stores) -> Arc<FastTier> {
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    FastTier::new(stores.settings().redis, Arc::new(Metrics::new()), clock)
-}
-
 /// A fast token's record (signed with the development key; Postgres need
 /// not know it: journal entries carry the record).
 fn like_record(app: &TestApp, id: u64, subject: &str) -> TokenRecord {
@@ -704,7 +698,7 @@ async fn a_result_applied_before_its_consume_on_another_instance_is_kept() {
     let scratch = Stores::fresh();
     let a = spawn_app_on(stores.clone()).await;
     let b = spawn_app_on(stores.clone()).await;
-    let fast = fast_tier(&scratch);
+    let fast = fast_tier(&scratch).0;
     let mut r = a.redis().await;
     let rec = like_record(&a, 7_100_000_001, "u-1");
     fast.seed(&rec.token, 60_000).await.expect("seed");
@@ -773,7 +767,7 @@ async fn fast_consume_release_consume_spread_over_instances_ends_at_the_last_con
     let scratch = Stores::fresh();
     let a = spawn_app_on(stores.clone()).await;
     let b = spawn_app_on(stores.clone()).await;
-    let fast = fast_tier(&scratch);
+    let fast = fast_tier(&scratch).0;
     let mut r = a.redis().await;
     let rec = like_record(&a, 7_100_000_002, "u-2");
     fast.seed(&rec.token, 60_000).await.expect("seed");
@@ -890,6 +884,7 @@ async fn durable_consume_release_consume_over_instances_with_a_late_write_back()
         .expect("time")
         .timestamp_millis();
     let late = fast_tier(&stores)
+        .0
         .write_consumed(
             &token,
             1,
@@ -942,7 +937,7 @@ async fn durable_consume_release_consume_over_instances_with_a_late_write_back()
 async fn a_reseed_racing_a_fast_consume_never_lets_a_second_consume_win() {
     let app = spawn_app().await;
     let r = app.redis().await;
-    let fast = fast_tier(&app.stores);
+    let fast = fast_tier(&app.stores).0;
     let token = app.issue(PAYMENTS, "like", "u-1").await;
     let key = app.token_key(&token);
     // Redis lost the key: the consume goes to Postgres, which decides.

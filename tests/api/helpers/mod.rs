@@ -14,9 +14,12 @@ use reqwest::{Response, StatusCode};
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 
+pub mod cluster;
 pub mod link;
 pub mod procs;
+pub mod scrape;
 pub mod suite_pg;
+pub mod tiers;
 
 pub use procs::free_port;
 
