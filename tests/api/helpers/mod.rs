@@ -14,6 +14,7 @@ use reqwest::{Response, StatusCode};
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 
+pub mod calls;
 pub mod cluster;
 pub mod link;
 pub mod procs;
@@ -367,4 +368,13 @@ pub async fn redis_conn() -> redis::aio::MultiplexedConnection {
 /// Wall-clock milliseconds, for tokens and records a test builds by hand.
 pub fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
+}
+
+/// A fixed instant `ms` milliseconds after a base in the future, for records
+/// and journal entries a test builds by hand.
+pub fn at(ms: i64) -> chrono::DateTime<chrono::Utc> {
+    use chrono::TimeZone;
+    chrono::Utc
+        .timestamp_millis_opt(1_795_000_000_000 + ms)
+        .unwrap()
 }
