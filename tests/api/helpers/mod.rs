@@ -14,6 +14,7 @@ use reqwest::{Response, StatusCode};
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 
+pub mod bounded;
 pub mod calls;
 pub mod cluster;
 pub mod link;
