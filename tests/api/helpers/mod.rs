@@ -17,6 +17,7 @@ use tokio::task::JoinHandle;
 pub mod bounded;
 pub mod calls;
 pub mod cluster;
+pub mod fleet_answers;
 pub mod link;
 pub mod procs;
 pub mod scrape;
