@@ -2,6 +2,12 @@
 //! database and its own Redis key prefix, so tests run in parallel; the
 //! helpers every test file shares (the CLI binary, polling, clocks), and in
 //! [`procs`] private servers for the tests that stop, kill or stall one.
+//! Whatever more than one test file uses lives here, once, by what it
+//! serves: [`tiers`] (a test's own fast tier and reconciler), [`calls`]
+//! (one-line route calls), [`scrape`] (`/metrics` samples), [`cluster`] (a
+//! private cluster's masters and slot moves), [`fleet_answers`] (the fleet
+//! tests' consumes), [`bounded`] (the fault tests' bounded calls), [`link`]
+//! (a proxy to stall or cut). Test files never import each other.
 
 use std::process::Output;
 use std::sync::Arc;
