@@ -13,8 +13,8 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 use tokio::sync::Barrier;
 
+use crate::helpers::scrape::sample;
 use crate::helpers::*;
-use crate::metrics::sample;
 
 /// The histogram's count and the count of batches of at most `le` items.
 fn batch_sizes(text: &str, le: &str) -> (f64, f64) {

@@ -8,6 +8,7 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 
 use crate::helpers::procs::*;
+use crate::helpers::tiers::fast_tier;
 use crate::helpers::*;
 
 /// The service's sessions in this test's database that sit idle right now,
@@ -164,15 +165,10 @@ async fn redis_connections_killed_while_idle_fail_no_request() {
 /// that the token is taken.
 #[tokio::test]
 async fn the_consume_script_sent_twice_by_one_attempt_answers_the_same() {
-    use idempotency_ledger::fast::{Attempt, ConsumeMode, FastTier, ScriptOutcome};
-    use idempotency_ledger::metrics::Metrics;
+    use idempotency_ledger::fast::{Attempt, ConsumeMode, ScriptOutcome};
     let app = spawn_app().await;
     // The tier alone, on the app's Redis and key prefix.
-    let fast = FastTier::new(
-        app.stores.settings().redis,
-        std::sync::Arc::new(Metrics::new()),
-        std::sync::Arc::new(idempotency_ledger::token::SystemClock),
-    );
+    let (fast, _) = fast_tier(&app.stores);
     let attempt = |owner| Attempt {
         owner,
         request_id: Some("r1"),

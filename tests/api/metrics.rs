@@ -3,49 +3,12 @@
 //! counted under `unmatched`, a route under its pattern, the pools' sizes,
 //! the last reconcile run as every instance reads it from Postgres).
 
-use std::sync::Arc;
-
-use idempotency_ledger::fast::FastTier;
-use idempotency_ledger::metrics::Metrics;
 use reqwest::StatusCode;
 use serde_json::json;
 
+use crate::helpers::scrape::{redis_calls, sample, serving_errors};
+use crate::helpers::tiers::fast_tier;
 use crate::helpers::*;
-
-/// The value of the first sample of `name` carrying every `labels` pair.
-pub fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|line| {
-            let (series, value) = line.rsplit_once(' ')?;
-            let (n, rest) = match series.split_once('{') {
-                Some((n, rest)) => (n, rest.trim_end_matches('}')),
-                None => (series, ""),
-            };
-            if n != name {
-                return None;
-            }
-            let all = labels
-                .iter()
-                .all(|(k, v)| rest.split(',').any(|kv| kv == format!("{k}=\"{v}\"")));
-            all.then(|| value.parse().ok()).flatten()
-        })
-}
-
-/// `ledger_fast_tier_total{result="error"}`: the serving path's failed Redis calls.
-pub fn serving_errors(text: &str) -> Option<f64> {
-    sample(text, "ledger_fast_tier_total", &[("result", "error")])
-}
-
-/// How many Redis calls of `op` were timed (`ledger_tier_duration_seconds_count`).
-pub fn redis_calls(text: &str, op: &str) -> f64 {
-    sample(
-        text,
-        "ledger_tier_duration_seconds_count",
-        &[("tier", "redis"), ("op", op)],
-    )
-    .unwrap_or(0.0)
-}
 
 fn has_family(text: &str, name: &str) -> bool {
     text.lines()
@@ -266,13 +229,7 @@ async fn the_last_complete_reconcile_run_is_exported_by_every_instance() {
 #[tokio::test]
 async fn journal_lag_counts_entries_waiting_in_the_stream() {
     let stores = Stores::fresh();
-    let settings = stores.settings();
-    let metrics = Arc::new(Metrics::new());
-    let fast = FastTier::new(
-        settings.redis.clone(),
-        metrics.clone(),
-        Arc::new(idempotency_ledger::token::SystemClock),
-    );
+    let (fast, _) = fast_tier(&stores);
     let mut r = redis::Client::open(stores.redis_url.as_str())
         .expect("url")
         .get_multiplexed_async_connection()

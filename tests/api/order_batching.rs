@@ -11,8 +11,8 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 use tokio::sync::Barrier;
 
+use crate::helpers::scrape::sample;
 use crate::helpers::*;
-use crate::metrics::sample;
 
 /// One statement in flight, long bounds: the events that arrive while it
 /// runs queue for the next batch.

@@ -661,3 +661,78 @@ async fn identical_refunds_racing_on_two_instances_answer_as_retries() {
     let (_, _, order) = answer(a.get(PAYMENTS, "/v1/orders/twin").await).await;
     assert_eq!(order["refunded_minor"], 300);
 }
+
+/// An order event replayed with the same token but another amount (refund)
+/// or another fingerprint (pay) is 422 `fingerprint_mismatch` and changes
+/// nothing; only the identical event is a `duplicate`.
+#[tokio::test]
+async fn an_order_event_replayed_with_another_amount_or_fingerprint_is_422() {
+    let app = spawn_app().await;
+    let created = app
+        .post(
+            PAYMENTS,
+            "/v1/orders",
+            &json!({"order_id": "o-12", "subject": "u-1", "amount_minor": 1000, "currency": "CNY"}),
+        )
+        .await;
+    assert_eq!(created.status(), StatusCode::CREATED);
+    let order = || async { answer(app.get(PAYMENTS, "/v1/orders/o-12").await).await.2 };
+    let pay = app.issue(PAYMENTS, "order", "u-1").await;
+    let event = |path: &'static str, body: Value| {
+        let app = &app;
+        async move {
+            answer(
+                app.post(PAYMENTS, &format!("/v1/orders/o-12/{path}"), &body)
+                    .await,
+            )
+            .await
+        }
+    };
+    let (s, _, body) = event("pay", json!({"token": pay, "fingerprint": "sha256:a"})).await;
+    assert_eq!(
+        (s, body["outcome"].as_str()),
+        (StatusCode::OK, Some("applied")),
+        "{body}"
+    );
+    let (s, _, body) = event("pay", json!({"token": pay, "fingerprint": "sha256:b"})).await;
+    assert_eq!(
+        (s, body["error"].as_str()),
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("fingerprint_mismatch")
+        ),
+        "{body}"
+    );
+    let (s, replayed, body) = event("pay", json!({"token": pay, "fingerprint": "sha256:a"})).await;
+    assert_eq!(
+        (s, replayed, body["outcome"].as_str()),
+        (StatusCode::OK, true, Some("duplicate"))
+    );
+
+    let refund = app.issue(PAYMENTS, "refund", "u-1").await;
+    let (s, _, body) = event("refund", json!({"token": refund, "amount_minor": 300})).await;
+    assert_eq!(
+        (s, body["outcome"].as_str()),
+        (StatusCode::OK, Some("applied")),
+        "{body}"
+    );
+    let before = order().await;
+    let (s, _, body) = event("refund", json!({"token": refund, "amount_minor": 500})).await;
+    assert_eq!(
+        (s, body["error"].as_str()),
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("fingerprint_mismatch")
+        ),
+        "{body}"
+    );
+    let after = order().await;
+    assert_eq!(before, after, "nothing changed");
+    assert_eq!(after["refunded_minor"], 300);
+    let (s, replayed, body) = event("refund", json!({"token": refund, "amount_minor": 300})).await;
+    assert_eq!(
+        (s, replayed, body["outcome"].as_str()),
+        (StatusCode::OK, true, Some("duplicate"))
+    );
+    app.stop().await;
+}

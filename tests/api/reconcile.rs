@@ -4,15 +4,12 @@
 //! nothing; one run at a time (library, CLI and HTTP racing a paused run).
 
 use std::process::Output;
-use std::sync::{mpsc, Arc};
+use std::sync::mpsc;
 
 use idempotency_ledger::durable::Pools;
-use idempotency_ledger::fast::FastTier;
-use idempotency_ledger::metrics::Metrics;
 use idempotency_ledger::reconcile::{
-    Class, Classes, Options, Phase, Progress, Quiet, ReconcileError, Reconciler, Report, BY_CLI,
+    Class, Classes, Options, Phase, Progress, Quiet, ReconcileError, Reconciler, Report,
 };
-use idempotency_ledger::token::{Clock, SystemClock};
 use redis::AsyncCommands;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
@@ -20,52 +17,16 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::helpers::procs::Cluster;
+use crate::helpers::tiers::{fast_tier, reconciler_on, run_on};
 use crate::helpers::*;
 
 /// A reconciler of its own (own pools and Redis connections), as the CLI has.
 fn reconciler(stores: &Stores) -> (Reconciler, Pools) {
-    let settings = stores.settings();
-    let fast = FastTier::new(
-        settings.redis.clone(),
-        Arc::new(Metrics::new()),
-        Arc::new(SystemClock),
-    );
-    reconciler_on(stores, fast)
-}
-
-/// A reconciler with pools of its own over the fast tier `fast`.
-pub(crate) fn reconciler_on(stores: &Stores, fast: Arc<FastTier>) -> (Reconciler, Pools) {
-    let settings = stores.settings();
-    let pools = Pools::new(&settings.postgres).expect("pools");
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    (
-        Reconciler::new(&settings, pools.admin.clone(), fast, clock),
-        pools,
-    )
+    reconciler_on(stores, fast_tier(stores).0)
 }
 
 async fn run(stores: &Stores, dry_run: bool) -> Report {
     run_on(reconciler(stores), dry_run).await
-}
-
-/// One whole run (no errors, not interrupted), then the pools closed.
-pub(crate) async fn run_on((r, pools): (Reconciler, Pools), dry_run: bool) -> Report {
-    let report = r
-        .run(
-            &Options {
-                dry_run,
-                since: None,
-                by: BY_CLI.to_owned(),
-            },
-            &Quiet,
-            &CancellationToken::new(),
-        )
-        .await
-        .expect("reconcile runs");
-    pools.close().await;
-    assert!(report.errors.is_empty(), "{:?}", report.errors);
-    assert!(!report.interrupted);
-    report
 }
 
 async fn token_id(pg: &PgPool, token: &str) -> i64 {

@@ -10,96 +10,19 @@ use std::sync::Arc;
 use idempotency_ledger::fast::{FastTier, KeyRead, KeyState};
 use idempotency_ledger::metrics::Metrics;
 use idempotency_ledger::reconcile::{Class, Classes, Report};
-use idempotency_ledger::token::{Clock, SystemClock};
 use redis::AsyncCommands;
 use serde_json::json;
 
+use crate::helpers::cluster::{
+    calls, cluster_conn, finish_move, masters, move_slot, owner, slot, socket_reads,
+    state_while_importing,
+};
 use crate::helpers::procs::{redis_cli, Cluster};
+use crate::helpers::tiers::{fast_tier, reconciler_on, run_on};
 use crate::helpers::*;
-use crate::reconcile::{reconciler_on, run_on};
-use crate::redirects::{finish_move, masters, move_slot, Master};
-
-/// A fast tier of its own (own connections, own metrics), as the CLI has.
-fn fast_tier(stores: &Stores) -> (Arc<FastTier>, Arc<Metrics>) {
-    let metrics = Arc::new(Metrics::new());
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let fast = FastTier::new(stores.settings().redis.clone(), metrics.clone(), clock);
-    (fast, metrics)
-}
 
 async fn run(stores: &Stores, fast: &Arc<FastTier>, dry_run: bool) -> Report {
     run_on(reconciler_on(stores, fast.clone()), dry_run).await
-}
-
-pub(crate) async fn cluster_conn(cluster: &Cluster) -> redis::cluster_async::ClusterConnection {
-    redis::cluster::ClusterClient::new(cluster.urls())
-        .expect("cluster client")
-        .get_async_connection()
-        .await
-        .expect("cluster connection")
-}
-
-/// Redis's own `CLUSTER KEYSLOT` of `key`.
-pub(crate) async fn slot(cluster: &Cluster, key: &str) -> u16 {
-    let mut c = cluster.nodes[0].conn().await;
-    redis::cmd("CLUSTER")
-        .arg("KEYSLOT")
-        .arg(key)
-        .query_async(&mut c)
-        .await
-        .expect("cluster keyslot")
-}
-
-/// The port of the master serving `key`'s slot.
-pub(crate) async fn owner(cluster: &Cluster, masters: &[Master], key: &str) -> u16 {
-    let s = slot(cluster, key).await;
-    masters
-        .iter()
-        .find(|m| m.slots.iter().any(|(a, b)| (*a..=*b).contains(&s)))
-        .map(|m| m.port)
-        .expect("every slot is served")
-}
-
-/// `calls` of one command in a node's `INFO commandstats` (0 if never called).
-pub(crate) fn calls(port: u16, command: &str) -> u64 {
-    let stats = redis_cli(port, &["info", "commandstats"]);
-    let prefix = format!("cmdstat_{command}:calls=");
-    stats
-        .lines()
-        .find_map(|l| l.trim().strip_prefix(&prefix))
-        .and_then(|rest| rest.split(',').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
-}
-
-/// The `s` field of `key` on the node at `port`, which is importing its
-/// slot (`ASKING` first: without it the node answers `MOVED`).
-pub(crate) async fn state_while_importing(port: u16, key: &str) -> Option<String> {
-    let mut c = redis::Client::open(format!("redis://127.0.0.1:{port}"))
-        .expect("node url")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("node connection");
-    let (s,): (Option<String>,) = redis::pipe()
-        .cmd("ASKING")
-        .ignore()
-        .cmd("HGET")
-        .arg(key)
-        .arg("s")
-        .query_async(&mut c)
-        .await
-        .expect("asking hget");
-    s
-}
-
-/// `total_reads_processed` of a node's `INFO stats`: the reads from client
-/// sockets it made (its own `INFO` included).
-pub(crate) fn socket_reads(port: u16) -> u64 {
-    redis_cli(port, &["info", "stats"])
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("total_reads_processed:"))
-        .and_then(|n| n.parse().ok())
-        .expect("total_reads_processed")
 }
 
 fn classes(of: &[(Class, u64)]) -> Classes {

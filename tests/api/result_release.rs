@@ -3,6 +3,7 @@
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 
+use crate::helpers::calls::consume;
 use crate::helpers::*;
 
 const BIZES: [&str; 2] = ["order", "like"];
@@ -557,4 +558,58 @@ async fn a_late_result_or_release_never_lands_on_another_attempt_s_consume() {
             "{biz}: the second attempt's consume is untouched"
         );
     }
+}
+
+/// A result holding U+0000 anywhere is 400 `invalid_request` for durable and
+/// fast types alike, and changes nothing: the right result is recorded after
+/// it, and reaches Postgres.
+#[tokio::test]
+async fn a_result_holding_nul_is_400_for_every_biz_type() {
+    let app = spawn_app().await;
+    let pg = app.pg().await;
+    for biz in ["order", "like"] {
+        let token = app.issue(PAYMENTS, biz, "u-1").await;
+        let (s, _, _) = consume(&app, &token, json!({"subject": "u-1"})).await;
+        assert_eq!(s, StatusCode::OK);
+        for bad in [
+            json!({"note": "nul\u{0}byte"}),
+            json!({"k\u{0}": 1}),
+            json!([["\u{0}"]]),
+        ] {
+            let r = app
+                .post(
+                    PAYMENTS,
+                    &format!("/v1/tokens/{token}/result"),
+                    &json!({"subject": "u-1", "result": bad}),
+                )
+                .await;
+            let (s, _, body) = answer(r).await;
+            assert_eq!(
+                (s, body["error"].as_str()),
+                (StatusCode::BAD_REQUEST, Some("invalid_request")),
+                "{biz}: {body}"
+            );
+        }
+        let good = json!({"note": "no nul"});
+        let r = app
+            .post(
+                PAYMENTS,
+                &format!("/v1/tokens/{token}/result"),
+                &json!({"subject": "u-1", "result": good}),
+            )
+            .await;
+        assert_eq!(r.status(), StatusCode::OK, "{biz}");
+        eventually(15, || async {
+            let result: Option<Value> =
+                sqlx::query_scalar("SELECT result FROM tokens WHERE token = $1")
+                    .bind(&token)
+                    .fetch_optional(&pg)
+                    .await
+                    .expect("query")
+                    .flatten();
+            (result == Some(good.clone())).then_some(())
+        })
+        .await;
+    }
+    app.stop().await;
 }

@@ -10,8 +10,7 @@ use idempotency_ledger::config::Durability;
 use idempotency_ledger::durable::batch::{consume_batch, ConsumeItem};
 use idempotency_ledger::durable::tokens::{ConsumeRow, TokenRecord};
 use idempotency_ledger::durable::Pools;
-use idempotency_ledger::fast::{Attempt, ConsumeMode, ConsumedWrite, FastTier, Marker};
-use idempotency_ledger::metrics::Metrics;
+use idempotency_ledger::fast::{Attempt, ConsumeMode, ConsumedWrite, Marker};
 use idempotency_ledger::reconcile::{Class, Options, Quiet, Reconciler, BY_CLI};
 use idempotency_ledger::token::{Clock, SystemClock};
 use redis::AsyncCommands;
@@ -22,12 +21,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::helpers::link::Link;
 use crate::helpers::procs::RedisProc;
+use crate::helpers::tiers::fast_tier;
 use crate::helpers::*;
-
-fn fast_tier(stores: &Stores, metrics: Arc<Metrics>) -> Arc<FastTier> {
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    FastTier::new(stores.settings().redis, metrics, clock)
-}
 
 async fn field(r: &redis::aio::MultiplexedConnection, key: &str, f: &str) -> Option<String> {
     let mut r = r.clone();
@@ -110,8 +105,7 @@ async fn write_backs_go_out_as_one_pipeline_and_each_item_has_its_own_outcome() 
     let stores = Stores::fresh().redis(&redis.url());
     let app = spawn_app_on(stores.clone()).await;
     let r = redis.conn().await;
-    let metrics = Arc::new(Metrics::new());
-    let fast = fast_tier(&stores, metrics.clone());
+    let (fast, metrics) = fast_tier(&stores);
     let mut items = Vec::new();
     for i in 0..20 {
         let token = app.issue(PAYMENTS, "order", &format!("u-{i}")).await;
@@ -203,12 +197,11 @@ async fn a_write_back_pipeline_that_fails_leaves_reconcile_able_to_repair() {
     let app = spawn_app_on(stores.clone()).await;
     let r = redis.conn().await;
     let pg = app.pg().await;
-    let direct = fast_tier(&stores, Arc::new(Metrics::new()));
-    let linked = fast_tier(
+    let (direct, _) = fast_tier(&stores);
+    let (linked, _) = fast_tier(
         &stores
             .clone()
             .redis(&format!("redis://127.0.0.1:{}", link.port())),
-        Arc::new(Metrics::new()),
     );
 
     // Ten tokens claimed in Redis (as step 2 of a consume does), then

@@ -7,26 +7,17 @@
 //! a master that lost its scripts has the script loaded and its items sent
 //! again.
 
-use std::sync::Arc;
-
 use idempotency_ledger::fast::{ConsumedWrite, FastError, FastTier, Marker};
 use idempotency_ledger::metrics::Metrics;
-use idempotency_ledger::token::{Clock, SystemClock};
 use redis::AsyncCommands;
 
-use crate::helpers::procs::{redis_cli, Cluster};
-use crate::helpers::*;
-use crate::reconcile_cluster::{
-    calls, cluster_conn, owner, slot, socket_reads, state_while_importing,
+use crate::helpers::cluster::{
+    calls, cluster_conn, finish_move, masters, move_slot, owner, slot, socket_reads,
+    state_while_importing,
 };
-use crate::redirects::{finish_move, masters, move_slot};
-
-fn fast_tier(stores: &Stores) -> (Arc<FastTier>, Arc<Metrics>) {
-    let metrics = Arc::new(Metrics::new());
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let fast = FastTier::new(stores.settings().redis.clone(), metrics.clone(), clock);
-    (fast, metrics)
-}
+use crate::helpers::procs::{redis_cli, Cluster};
+use crate::helpers::tiers::fast_tier;
+use crate::helpers::*;
 
 fn key(stores: &Stores, token: &str) -> String {
     format!("{}tok:{{{token}}}", stores.prefix)

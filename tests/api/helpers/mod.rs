@@ -2,6 +2,12 @@
 //! database and its own Redis key prefix, so tests run in parallel; the
 //! helpers every test file shares (the CLI binary, polling, clocks), and in
 //! [`procs`] private servers for the tests that stop, kill or stall one.
+//! Whatever more than one test file uses lives here, once, by what it
+//! serves: [`tiers`] (a test's own fast tier and reconciler), [`calls`]
+//! (one-line route calls), [`scrape`] (`/metrics` samples), [`cluster`] (a
+//! private cluster's masters and slot moves), [`fleet_answers`] (the fleet
+//! tests' consumes), [`bounded`] (the fault tests' bounded calls), [`link`]
+//! (a proxy to stall or cut). Test files never import each other.
 
 use std::process::Output;
 use std::sync::Arc;
@@ -14,9 +20,15 @@ use reqwest::{Response, StatusCode};
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 
+pub mod bounded;
+pub mod calls;
+pub mod cluster;
+pub mod fleet_answers;
 pub mod link;
 pub mod procs;
+pub mod scrape;
 pub mod suite_pg;
+pub mod tiers;
 
 pub use procs::free_port;
 
@@ -364,4 +376,13 @@ pub async fn redis_conn() -> redis::aio::MultiplexedConnection {
 /// Wall-clock milliseconds, for tokens and records a test builds by hand.
 pub fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
+}
+
+/// A fixed instant `ms` milliseconds after a base in the future, for records
+/// and journal entries a test builds by hand.
+pub fn at(ms: i64) -> chrono::DateTime<chrono::Utc> {
+    use chrono::TimeZone;
+    chrono::Utc
+        .timestamp_millis_opt(1_795_000_000_000 + ms)
+        .unwrap()
 }
