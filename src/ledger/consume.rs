@@ -283,7 +283,8 @@ impl Ledger {
         input: &I,
     ) -> Result<ConsumeAnswer, LedgerError> {
         let attempt = attempt_of("", input);
-        let fields = journal::consume_fields(&held.record, attempt.request_id, attempt.fingerprint);
+        let mut fields =
+            journal::consume_fields(&held.record, attempt.request_id, attempt.fingerprint);
         let mut args = KeyArgs {
             subject: of.subject(),
             create_at_gen: None,
@@ -312,9 +313,13 @@ impl Ledger {
             // win), is answered `consumed`: the going-down flush must cover
             // it, and it is answered only while this instance is a member.
             let won = match &reply {
-                Ok((Decision::Won { at_ms }, version)) => {
-                    Some(journal::decided(fields.clone(), version.gen, *at_ms))
-                }
+                // A win is answered now (or 503): the entry is not needed
+                // for another round.
+                Ok((Decision::Won { at_ms }, version)) => Some(journal::decided(
+                    std::mem::take(&mut fields),
+                    version.gen,
+                    *at_ms,
+                )),
                 Ok((Decision::Consumed(m), version))
                     if attempt.request_id.is_some()
                         && m.request_id.as_deref() == attempt.request_id =>
