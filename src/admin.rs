@@ -23,7 +23,7 @@ use crate::domain::{AuditKind, TokenStatus};
 use crate::durable::admin::{self as sql, EventFilter, EventRow};
 use crate::durable::tokens::TokenState;
 use crate::durable::DurableError;
-use crate::health::Mode;
+use crate::fast::breaker::Mode;
 use crate::token::TokenCodec;
 
 /// Default and largest page size of `GET /v1/admin/audit` and `audit events`.
@@ -504,7 +504,7 @@ pub struct Stats {
     #[schema(example = "1h")]
     pub window: String,
     /// This instance's mode: `normal`, `degraded` or `redis_down`.
-    #[schema(value_type = crate::health::Mode, example = "normal")]
+    #[schema(value_type = crate::fast::breaker::Mode, example = "normal")]
     pub mode: String,
     /// Every configured biz type (zeros when idle), plus any other seen.
     pub biz_types: BTreeMap<String, BizStats>,

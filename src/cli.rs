@@ -30,11 +30,11 @@ use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 
+use crate::clock::SystemClock;
 use crate::config::Settings;
 use crate::durable::setup;
 use crate::startup::{Application, BuildOptions};
 use crate::telemetry;
-use crate::token::SystemClock;
 
 #[derive(Debug, Parser)]
 #[command(

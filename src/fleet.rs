@@ -62,6 +62,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::clock::Clock;
 use crate::config::Settings;
 pub use crate::durable::fleet::FleetState;
 use crate::durable::fleet::{self as store, Queued};
@@ -69,7 +70,6 @@ use crate::durable::tokens::TokenState;
 use crate::durable::DurableError;
 use crate::fast::{FastError, FastTier, JournalEntry, Marker};
 use crate::metrics::Metrics;
-use crate::token::Clock;
 
 /// A journal entry's fields.
 type Fields = Vec<(&'static str, String)>;

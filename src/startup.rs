@@ -19,21 +19,22 @@ use crate::admin::Admin;
 use crate::audit_seal::{self, Seals};
 use crate::auth::Clients;
 use crate::changes::Changes;
+use crate::clock::Clock;
 use crate::config::Settings;
 use crate::durable::usage::PoolUsage;
 use crate::durable::{setup, Pools};
 use crate::fast::FastTier;
 use crate::http::{self, AppState};
+use crate::issuance::lease::WorkerLease;
+use crate::issuance::writer::WriterTask;
+use crate::issuance::{filter, writer};
 use crate::journal::Drainer;
-use crate::lease::WorkerLease;
 use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::orders::Orders;
 use crate::reconcile::Reconciler;
 use crate::tasks::{OffPath, Tasks};
-use crate::token::Clock;
-use crate::writer::WriterTask;
-use crate::{bloom, journal, reconcile, writer};
+use crate::{journal, reconcile};
 
 #[derive(Debug, Clone, Copy)]
 pub struct BuildOptions {
@@ -78,8 +79,8 @@ struct Parts {
 }
 
 impl Application {
-    /// `clock`: the service's one source of "now" ([`crate::token::SystemClock`] in
-    /// production; tests may pass a [`crate::token::ManualClock`]).
+    /// `clock`: the service's one source of "now" ([`crate::clock::SystemClock`] in
+    /// production; tests may pass a [`crate::clock::ManualClock`]).
     pub async fn build(
         settings: Settings,
         opts: BuildOptions,
@@ -224,7 +225,7 @@ impl Parts {
         // The issued-token filter: listen, load, then keep listening.
         let (bloom_ready, bloom_loaded) = oneshot::channel();
         tasks.spawn("bloom_sync", |stop| {
-            bloom::run(
+            filter::run(
                 ledger.bloom().clone(),
                 self.settings.postgres.clone(),
                 self.pools.clone(),
@@ -234,7 +235,7 @@ impl Parts {
             )
         });
         tasks.spawn("bloom_marks", |stop| {
-            bloom::reread_marks(
+            filter::reread_marks(
                 ledger.bloom().clone(),
                 self.pools.clone(),
                 self.clock.clone(),
@@ -242,7 +243,7 @@ impl Parts {
             )
         });
         tasks.spawn("bloom_maintain", |stop| {
-            bloom::maintain(ledger.bloom().clone(), self.clock.clone(), stop)
+            filter::maintain(ledger.bloom().clone(), self.clock.clone(), stop)
         });
         tracing::debug!(tasks = ?tasks.names(), "background tasks started");
         (tasks, bloom_loaded)

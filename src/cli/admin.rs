@@ -15,13 +15,13 @@ use tokio_util::sync::CancellationToken;
 
 use super::remote::{Remote, RemoteError};
 use crate::admin::{self, Admin, AdminError, AuditEvent, AuditPage, AuditQuery, TokenView};
+use crate::clock::{Clock, SystemClock};
 use crate::config::Settings;
 use crate::domain::AuditKind;
 use crate::durable::Pools;
 use crate::fast::FastTier;
 use crate::metrics::Metrics;
 use crate::reconcile::{self, Class, LogProgress, Phase, Progress, ReconcileError, Reconciler};
-use crate::token::{Clock, SystemClock};
 
 /// Exit code when another reconcile run holds the lock.
 pub const EXIT_RUNNING: u8 = 3;

@@ -135,7 +135,7 @@ pub struct FleetSettings {
     pub decide_without_postgres: bool,
 }
 
-/// The filter of issued token ids (see `crate::bloom`).
+/// The filter of issued token ids (see `crate::issuance::filter`).
 #[derive(Debug, Clone)]
 pub struct BloomSettings {
     /// `false`: every verified token goes on to the tiers (as without a filter).

@@ -1,4 +1,4 @@
-//! What the issued-token filter ([`crate::bloom`]) needs from Postgres: the
+//! What the issued-token filter ([`crate::issuance::filter`]) needs from Postgres: the
 //! notification channel on which issuance batches announce their ids (sent by
 //! [`super::tokens::insert_issued`] in the same statement as the records),
 //! its payload format, a dedicated listening connection, and the load of ids

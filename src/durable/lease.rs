@@ -1,6 +1,6 @@
 //! Snowflake worker-id leases. An instance takes a free or expired worker id
 //! with one conditional upsert, renews it every third of its lifetime, and
-//! stops issuing when it cannot renew in time (see `crate::lease`).
+//! stops issuing when it cannot renew in time (see `crate::issuance::lease`).
 
 use std::time::Duration;
 

@@ -1,4 +1,4 @@
-//! Issuance marks in Postgres (`issuance_marks`, see [`crate::issuance`]):
+//! Issuance marks in Postgres (`issuance_marks`, see [`crate::issuance::marks`]):
 //! their notification channel and payload, the statement that raises marks
 //! without records (an idle issuer's mark follows the clock; a drained lease
 //! ends), and the full read a peer makes at start and every few seconds.
@@ -10,7 +10,23 @@ use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
 use super::DurableError;
-use crate::issuance::{LeaseKey, Mark};
+
+/// The mark of a lease that ended with every token it made recorded.
+pub const ENDED: i64 = i64::MAX;
+
+/// One lease: a worker id and the millisecond its ids start above.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LeaseKey {
+    pub worker_id: u16,
+    pub from_ms: i64,
+}
+
+/// A lease's mark, as stored and notified.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mark {
+    pub lease: LeaseKey,
+    pub mark_ms: i64,
+}
 
 /// The channel. Payload: `worker_id:from_ms:mark_ms`, in decimal.
 pub const CHANNEL: &str = "ledger_marks";

@@ -433,7 +433,7 @@ pub async fn release_with(
 /// The rows are written in id order, as a batch of consumes locks them
 /// (`super::batch`), so the two never deadlock.
 /// The same statement raises `marks`, the issuance marks of `holder`'s
-/// leases that these records let rise (see [`crate::issuance`]), and
+/// leases that these records let rise (see [`crate::issuance::marks`]), and
 /// notifies them on [`super::marks::CHANNEL`] after the ids (`ORDER BY`:
 /// Postgres evaluates a volatile output expression after the sort), so a
 /// peer has the ids of a mark before the mark.
@@ -441,7 +441,7 @@ pub async fn insert_issued(
     pool: &PgPool,
     batch: &[TokenRecord],
     holder: uuid::Uuid,
-    marks: &[crate::issuance::Mark],
+    marks: &[super::marks::Mark],
 ) -> Result<(), DurableError> {
     if batch.is_empty() {
         return Ok(());

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::conn::Redirect;
 use super::{Conn, FastError, FastTier};
-use crate::health::Failure;
+use crate::fast::breaker::Failure;
 
 /// Who waits on a call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -18,7 +18,7 @@ use redis::{
 use super::call::Lane;
 use super::{FastError, FastTier};
 use crate::config::RedisTopology;
-use crate::health::Failure;
+use crate::fast::breaker::Failure;
 
 /// A connection to a standalone Redis or a cluster.
 #[derive(Clone)]

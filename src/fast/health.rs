@@ -5,7 +5,7 @@ use redis::Value;
 
 use super::call::Lane;
 use super::FastTier;
-use crate::health::{Health, Mode};
+use crate::fast::breaker::{Health, Mode};
 
 impl FastTier {
     /// Is Redis considered down right now?
@@ -13,7 +13,7 @@ impl FastTier {
         self.health.is_down()
     }
 
-    /// The current mode (see [`crate::health`]).
+    /// The current mode (see [`crate::fast::breaker`]).
     pub fn mode(&self) -> Mode {
         self.health.mode()
     }

@@ -5,7 +5,7 @@
 //! it decided to the journal stream that [`crate::journal`] drains into
 //! Postgres. A call a request waits on is bounded by `redis.timeout`,
 //! background work by `redis.background_timeout`; only the former are
-//! evidence of health: [`crate::health`] opens the breaker (so that a dead
+//! evidence of health: [`crate::fast::breaker`] opens the breaker (so that a dead
 //! Redis costs nothing per request) on repeated failures to reach Redis,
 //! never on one timeout, and their latencies make the mode.
 //!
@@ -34,6 +34,7 @@ use std::sync::Arc;
 
 use redis::Script;
 
+pub mod breaker;
 mod call;
 mod conn;
 mod consume;
@@ -52,10 +53,10 @@ pub use journal::{JournalEntry, ReadFrom, GROUP};
 pub use scan::{KeyRead, KeyState, ScanNode};
 pub use write::{ConsumedWrite, ReleaseWrite, ResultWrite};
 
+use crate::clock::Clock;
 use crate::config::{RedisSettings, RedisTopology};
-use crate::health::Health;
+use crate::fast::breaker::Health;
 use crate::metrics::Metrics;
-use crate::token::Clock;
 use conn::Conn;
 
 #[derive(Debug, thiserror::Error)]

@@ -27,7 +27,7 @@ use super::{admin, audit_seal, keys, ops, orders, tokens, uncertain, ErrorBody};
     components(schemas(
         crate::audit_seal::CheckpointView,
         ErrorBody, crate::domain::TokenStatus, crate::domain::AuditKind,
-        crate::domain::order::OrderState, crate::health::Mode, crate::ledger::AnswerOutcome,
+        crate::domain::order::OrderState, crate::fast::breaker::Mode, crate::ledger::AnswerOutcome,
         crate::ledger::DuplicateStatus, tokens::IssueRequest, tokens::IssueResponse, tokens::GenerateResponse,
         tokens::ConsumeRequest, tokens::ConsumeResponse, tokens::ResultRequest, tokens::ReleaseRequest,
         tokens::OutcomeResponse, tokens::TokenStateResponse, admin::AdminReleaseRequest, admin::AdminKeyReleaseRequest,
@@ -372,7 +372,7 @@ closed_set_schema!(
     "An order's state: CREATED -> PAID -> PARTIALLY_REFUNDED -> REFUNDED, CREATED -> CLOSED"
 );
 closed_set_schema!(
-    crate::health::Mode,
+    crate::fast::breaker::Mode,
     "Mode",
     "How the service uses Redis right now: normal; degraded (Redis is slow, a sample of durable consumes bypasses it); redis_down (Redis is skipped)"
 );
@@ -539,7 +539,7 @@ mod tests {
     #[test]
     fn closed_sets_are_the_rust_enums() {
         use crate::domain::{order::OrderState, AuditKind, TokenStatus};
-        use crate::health::Mode;
+        use crate::fast::breaker::Mode;
         use crate::ledger::{AnswerOutcome, DuplicateStatus};
         let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializes");
         let schemas = &doc["components"]["schemas"];

@@ -8,7 +8,7 @@ use serde::Serialize;
 use utoipa::{OpenApi, ToSchema};
 
 use super::AppState;
-use crate::health::Mode;
+use crate::fast::breaker::Mode;
 
 /// Liveness: 200 while the process runs.
 #[utoipa::path(get, path = "/healthz", operation_id = "healthz", tag = "operations", responses((status = 200, description = "alive", body = Object, example = json!({"status": "ok"}))))]
@@ -23,7 +23,7 @@ pub struct Readiness {
     /// `up`, `down` or `slow`.
     pub redis: &'static str,
     /// `normal`, `degraded` or `redis_down`.
-    #[schema(value_type = crate::health::Mode)]
+    #[schema(value_type = crate::fast::breaker::Mode)]
     pub mode: &'static str,
     /// This instance's snowflake worker id.
     pub worker_id: u16,

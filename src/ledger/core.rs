@@ -14,19 +14,20 @@ use super::issue::IssueLimits;
 use super::settle::WriteBacks;
 use super::{ConsumeOutcome, LedgerError};
 use crate::auth::Client;
-use crate::bloom::{IssuedFilter, Verdict};
+use crate::clock::Clock;
 use crate::config::{BizSettings, Durability, Settings};
 use crate::domain::{BizType, Subject};
 use crate::durable::batch::ConsumeBatcher;
 use crate::durable::tokens::TokenRecord;
 use crate::durable::Pools;
+use crate::fast::breaker::Mode;
 use crate::fast::FastTier;
-use crate::health::Mode;
-use crate::lease::WorkerLease;
+use crate::issuance::filter::{IssuedFilter, Verdict};
+use crate::issuance::lease::WorkerLease;
+use crate::issuance::writer::Writer;
 use crate::metrics::Metrics;
 use crate::tasks::OffPath;
-use crate::token::{Clock, TokenCodec, TokenError, VerifiedToken};
-use crate::writer::Writer;
+use crate::token::{TokenCodec, TokenError, VerifiedToken};
 
 pub(super) fn ms_to_time(ms: i64) -> Option<DateTime<Utc>> {
     (ms > 0)
@@ -148,7 +149,7 @@ impl Ledger {
         self.lease.worker_id()
     }
 
-    /// How Redis is used right now (see [`crate::health`]).
+    /// How Redis is used right now (see [`crate::fast::breaker`]).
     pub fn mode(&self) -> Mode {
         self.fast.mode()
     }

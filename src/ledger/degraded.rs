@@ -18,8 +18,8 @@ use super::{ConsumeAnswer, DuplicateStatus, Ledger, LedgerError};
 use crate::config::RedisSettings;
 use crate::durable::fleet as fleet_store;
 use crate::durable::timed;
+use crate::fast::breaker::Mode;
 use crate::fast::{Attempt, Decision, KeyArgs, Marker};
-use crate::health::Mode;
 use crate::journal;
 
 /// A write to Redis that could not be made while it was down, replayed when

@@ -3,7 +3,7 @@
 //! journal drainer and reconcile hold both tiers too, for their own jobs):
 //!
 //! 1. verify the token (tag, binding, biz type) and ask the fleet's filter of
-//!    issued ids ([`crate::bloom`]) whether it was ever issued: no I/O;
+//!    issued ids ([`crate::issuance::filter`]) whether it was ever issued: no I/O;
 //! 2. Redis, one script: a consumed marker answers `duplicate` at once (for
 //!    a durable type only a plain duplicate, and without a result only while
 //!    the marker is younger than `redis.processing_trust`; the winner's retry
@@ -20,7 +20,7 @@
 //!
 //! A result is written to Redis before its answer (read your writes).
 //!
-//! Degraded modes ([`crate::health`]): while Redis is slow a sample of durable
+//! Degraded modes ([`crate::fast::breaker`]): while Redis is slow a sample of durable
 //! consumes skips step 2; while it is down durable consumes skip it, and fast
 //! consumes go to Postgres behind a per-instance cache and rate limit (or, with
 //! Postgres down too, are decided by this instance alone); what Redis missed

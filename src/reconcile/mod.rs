@@ -50,9 +50,10 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
+use crate::clock::Clock;
 use crate::durable::DurableError;
 use crate::fast::FastTier;
-use crate::token::{Clock, TokenCodec};
+use crate::token::TokenCodec;
 
 pub use crate::durable::reconcile::LOCK_KEY;
 pub use metrics::{conflict_metric, last_run_metrics, LAST_RUN_REFRESH};

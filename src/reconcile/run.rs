@@ -9,12 +9,13 @@ use tokio_util::sync::CancellationToken;
 
 use super::report::{Class, Classes, InconsistentOrder, Phase, Progress, Report, Scanned};
 use super::{Options, ReconcileError, Reconciler};
+use crate::clock::Clock;
 use crate::config::Settings;
 use crate::durable::reconcile::{self as sql, Repair};
 use crate::durable::DurableError;
 use crate::fast::{FastError, FastTier, Marker};
 use crate::journal::DrainError;
-use crate::token::{Clock, TokenCodec};
+use crate::token::TokenCodec;
 
 impl Reconciler {
     pub fn new(

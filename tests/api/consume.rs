@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use idempotency_ledger::token::{Clock, ManualClock, SystemClock};
+use idempotency_ledger::clock::{Clock, ManualClock, SystemClock};
 use reqwest::StatusCode;
 use serde_json::json;
 

@@ -1,6 +1,6 @@
 //! Nothing answered is lost (DESIGN.md invariant 8): a token answered 201 is
 //! consumable on every peer however late its issuance record, and after its
-//! issuer is SIGKILLed (issuance marks, `crate::issuance`); an answered fast
+//! issuer is SIGKILLed (issuance marks, `crate::issuance::marks`); an answered fast
 //! consume reaches Postgres after a SIGKILL; a SIGTERM writes every owed
 //! issuance record.
 

@@ -9,11 +9,11 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, TimeZone, Utc};
+use idempotency_ledger::clock::{Clock, SystemClock};
 use idempotency_ledger::config::Durability;
 use idempotency_ledger::durable::journal::{self, Decided, Entry, EntryKind, Versioned};
 use idempotency_ledger::durable::tokens::TokenRecord;
 use idempotency_ledger::fast::{Attempt, ConsumeMode, ScriptOutcome};
-use idempotency_ledger::token::{Clock, SystemClock};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use redis::AsyncCommands;

@@ -396,7 +396,7 @@ async fn build(stores: &Stores, migrate: bool) -> anyhow::Result<Application> {
     Application::build(
         stores.settings(),
         BuildOptions { migrate },
-        std::sync::Arc::new(idempotency_ledger::token::SystemClock),
+        std::sync::Arc::new(idempotency_ledger::clock::SystemClock),
     )
     .await
 }

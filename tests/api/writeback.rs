@@ -6,13 +6,13 @@
 
 use std::sync::Arc;
 
+use idempotency_ledger::clock::{Clock, SystemClock};
 use idempotency_ledger::config::Durability;
 use idempotency_ledger::durable::batch::{consume_batch, ConsumeItem};
 use idempotency_ledger::durable::tokens::{ConsumeRow, TokenRecord};
 use idempotency_ledger::durable::Pools;
 use idempotency_ledger::fast::{Attempt, ConsumeMode, ConsumedWrite, Marker};
 use idempotency_ledger::reconcile::{Class, Options, Quiet, Reconciler, BY_CLI};
-use idempotency_ledger::token::{Clock, SystemClock};
 use redis::AsyncCommands;
 use reqwest::StatusCode;
 use serde_json::json;

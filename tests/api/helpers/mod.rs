@@ -12,10 +12,11 @@
 use std::process::Output;
 use std::sync::Arc;
 
+use idempotency_ledger::clock::{Clock, SystemClock};
 use idempotency_ledger::config::Settings;
 use idempotency_ledger::ledger::Ledger;
 use idempotency_ledger::startup::{Application, BuildOptions};
-use idempotency_ledger::token::{Claims, Clock, SnowflakeId, SystemClock, TokenCodec};
+use idempotency_ledger::token::{Claims, SnowflakeId, TokenCodec};
 use reqwest::{Response, StatusCode};
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;

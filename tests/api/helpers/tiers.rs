@@ -4,11 +4,11 @@
 
 use std::sync::Arc;
 
+use idempotency_ledger::clock::{Clock, SystemClock};
 use idempotency_ledger::durable::Pools;
 use idempotency_ledger::fast::FastTier;
 use idempotency_ledger::metrics::Metrics;
 use idempotency_ledger::reconcile::{Options, Quiet, Reconciler, Report, BY_CLI};
-use idempotency_ledger::token::{Clock, SystemClock};
 use tokio_util::sync::CancellationToken;
 
 use crate::helpers::Stores;

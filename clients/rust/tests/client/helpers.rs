@@ -8,9 +8,9 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use idempotency_ledger::clock::SystemClock;
 use idempotency_ledger::config::Settings;
 use idempotency_ledger::startup::{Application, BuildOptions};
-use idempotency_ledger::token::SystemClock;
 use idempotency_ledger_client::{Client, RetryPolicy};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};

@@ -15,7 +15,7 @@
 //!   start, and after the listening connection was lost, it loads the ids
 //!   from the `tokens` table, after listening again, so nothing falls in
 //!   between.
-//! - **Issuance marks** ([`crate::issuance`]): every lease publishes how far
+//! - **Issuance marks** ([`crate::issuance::marks`]): every lease publishes how far
 //!   its tokens' records are committed, on a second channel after the ids
 //!   of the same statement, and the marks are read again every
 //!   [`MARK_REREAD`] (the ids a read shows recorded are loaded before its
@@ -39,11 +39,12 @@ use bloomfilter::Bloom;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
+use crate::clock::Clock;
 use crate::config::{BloomSettings, PostgresSettings};
 use crate::durable::{bloom as sql, marks as marks_sql, Pools};
-use crate::issuance::{Mark, MarkBook, MarkSays};
+use crate::issuance::marks::{Mark, MarkBook, MarkSays};
 use crate::metrics::Metrics;
-use crate::token::{Clock, SnowflakeId};
+use crate::token::SnowflakeId;
 
 /// What the filter says about a verified token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -323,7 +324,7 @@ impl IssuedFilter {
     }
 
     /// The marks as we know them (tests and logs).
-    pub fn mark_of(&self, lease: crate::issuance::LeaseKey) -> Option<i64> {
+    pub fn mark_of(&self, lease: crate::issuance::marks::LeaseKey) -> Option<i64> {
         self.marks
             .read()
             .unwrap_or_else(|p| p.into_inner())
@@ -634,7 +635,7 @@ mod tests {
 
     #[test]
     fn unknown_ids_are_refused_only_at_or_below_their_leases_mark() {
-        use crate::issuance::{LeaseKey, ENDED};
+        use crate::issuance::marks::{LeaseKey, ENDED};
         let f = IssuedFilter::new(settings(1000), Arc::new(Metrics::new()));
         f.set_synced(true);
         let lease = LeaseKey {

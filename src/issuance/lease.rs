@@ -4,7 +4,7 @@
 //! turns out to be lost, a fresh worker id is leased and issuing resumes.
 //! Each holding is a lease of its own ([`LeaseIds`]: its ids and the ones
 //! whose records are still owed), with its issuance mark in Postgres (see
-//! [`crate::issuance`]).
+//! [`crate::issuance::marks`]).
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -14,9 +14,10 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::clock::Clock;
 use crate::durable::{lease, DurableError};
-use crate::issuance::LeaseIds;
-use crate::token::{Clock, SnowflakeId};
+use crate::issuance::marks::LeaseIds;
+use crate::token::SnowflakeId;
 
 #[derive(Debug)]
 pub struct WorkerLease {

@@ -3,7 +3,7 @@
 //! counters (every few seconds). One background task; bounded buffer; retried
 //! with backoff while Postgres is down; drained on shutdown.
 //!
-//! Issuance marks ([`crate::issuance`]): each batch statement raises the mark
+//! Issuance marks ([`crate::issuance::marks`]): each batch statement raises the mark
 //! of the leases whose records it carries; every [`MARK_TICK`] the marks are
 //! raised without records too (an idle lease's mark follows the clock, a
 //! replaced lease that is drained ends); a stop that drained everything ends
@@ -18,12 +18,12 @@ use sqlx::PgPool;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::clock::Clock;
 use crate::durable::tokens::{self, TokenRecord};
 use crate::durable::{marks, DurableError};
-use crate::issuance::{LeaseIds, Mark, ENDED};
-use crate::lease::WorkerLease;
+use crate::issuance::lease::WorkerLease;
+use crate::issuance::marks::{LeaseIds, Mark, ENDED};
 use crate::metrics::Metrics;
-use crate::token::Clock;
 
 /// How often counters reach Postgres (the stats endpoint promises 5 s).
 pub const STATS_FLUSH: Duration = Duration::from_secs(2);

@@ -14,9 +14,9 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::clock::Clock;
 use crate::config::RedisSettings;
 use crate::metrics::Metrics;
-use crate::token::Clock;
 
 /// How the service treats Redis right now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -289,7 +289,7 @@ mod tests {
         Health::new(
             &s.redis,
             Arc::new(Metrics::new()),
-            Arc::new(crate::token::SystemClock),
+            Arc::new(crate::clock::SystemClock),
         )
     }
 
