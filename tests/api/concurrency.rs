@@ -6,6 +6,7 @@ use reqwest::StatusCode;
 use serde_json::json;
 use tokio::sync::Barrier;
 
+use crate::helpers::calls::consume_race;
 use crate::helpers::*;
 
 /// 100 tokens x 10 identical consumes fired together: exactly one `consumed`
@@ -126,30 +127,7 @@ async fn storm_durable_without_redis() {
     for i in 0..30 {
         tokens.push(app.issue(PAYMENTS, "order", &format!("u{i}")).await);
     }
-    let barrier = Arc::new(Barrier::new(30 * 5));
-    let mut handles = Vec::new();
-    for (i, token) in tokens.iter().enumerate() {
-        for _ in 0..5 {
-            let (app, barrier, token) = (app.clone(), barrier.clone(), token.clone());
-            handles.push(tokio::spawn(async move {
-                barrier.wait().await;
-                let (s, _, body) = answer(
-                    app.consume(PAYMENTS, &token, &json!({"subject": format!("u{i}")}))
-                        .await,
-                )
-                .await;
-                (i, s, body["outcome"].as_str().unwrap_or("?").to_owned())
-            }));
-        }
-    }
-    let mut consumed = [0; 30];
-    for h in handles {
-        let (i, s, outcome) = h.await.unwrap();
-        assert_eq!(s, StatusCode::OK);
-        if outcome == "consumed" {
-            consumed[i] += 1;
-        }
-    }
+    let consumed = consume_race(std::slice::from_ref(&app), &tokens, 5, |i| format!("u{i}")).await;
     assert!(consumed.iter().all(|&n| n == 1), "{consumed:?}");
     let r = app.http.get(app.url("/readyz")).send().await.unwrap();
     let body: serde_json::Value = r.json().await.unwrap();

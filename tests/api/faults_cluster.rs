@@ -13,6 +13,7 @@ use reqwest::StatusCode;
 use serde_json::json;
 
 use crate::helpers::bounded::*;
+use crate::helpers::calls::consumed_in_postgres;
 use crate::helpers::procs::*;
 use crate::helpers::*;
 
@@ -42,19 +43,7 @@ async fn redis_cluster_exactly_once_and_after_a_master_fails_over() {
     assert_eq!(exists.trim(), "1", "{exists}");
     // The fast journal (its stream in another slot) reaches Postgres.
     let pool = app.pg().await;
-    eventually(10, || {
-        let pool = pool.clone();
-        async move {
-            let n: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM tokens WHERE biz_type = 'like' AND state = 'consumed'",
-            )
-            .fetch_one(&pool)
-            .await
-            .ok()?;
-            (n == 30).then_some(())
-        }
-    })
-    .await;
+    consumed_in_postgres(&pool, "like", 30, 10).await;
 
     // Issued before the failover, consumed during and after it.
     let before_orders = issue_many(&app, "order", 30).await;

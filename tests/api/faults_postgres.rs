@@ -14,6 +14,7 @@ use reqwest::StatusCode;
 use serde_json::json;
 
 use crate::helpers::bounded::*;
+use crate::helpers::calls::consumed_in_postgres;
 use crate::helpers::procs::*;
 use crate::helpers::*;
 
@@ -141,19 +142,7 @@ fleet.decide_without_postgres = true
     assert_eq!(&consumed[..4], &[0, 0, 0, 0]);
     assert!(consumed[4..].iter().all(|&n| n == 1), "{consumed:?}");
     // The fast journal reached Postgres.
-    eventually(15, || {
-        let pool = pool.clone();
-        async move {
-            let n: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM tokens WHERE biz_type = 'like' AND state = 'consumed'",
-            )
-            .fetch_one(&pool)
-            .await
-            .ok()?;
-            (n == 4).then_some(())
-        }
-    })
-    .await;
+    consumed_in_postgres(&pool, "like", 4, 15).await;
 }
 
 /// Postgres restarts (`-m immediate`: no goodbye on the sockets, like a crash)

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use idempotency_ledger::token::TokenCodec;
 use reqwest::StatusCode;
 use serde_json::json;
-use tokio::sync::Barrier;
 
+use crate::helpers::calls::consume_race;
 use crate::helpers::*;
 
 fn worker_of(app: &TestApp, token: &str) -> u16 {
@@ -48,31 +48,8 @@ async fn two_instances_share_the_ledger() {
             let issuer = if i % 2 == 0 { &a } else { &b };
             tokens.push(issuer.issue(PAYMENTS, biz, &format!("x{i}")).await);
         }
-        let barrier = Arc::new(Barrier::new(30 * 6));
-        let mut handles = Vec::new();
-        for (i, token) in tokens.iter().enumerate() {
-            for copy in 0..6 {
-                let app = if copy % 2 == 0 { a.clone() } else { b.clone() };
-                let (barrier, token) = (barrier.clone(), token.clone());
-                handles.push(tokio::spawn(async move {
-                    barrier.wait().await;
-                    let (s, _, body) = answer(
-                        app.consume(PAYMENTS, &token, &json!({"subject": format!("x{i}")}))
-                            .await,
-                    )
-                    .await;
-                    (i, s, body["outcome"].as_str().unwrap_or("?").to_owned())
-                }));
-            }
-        }
-        let mut consumed = [0; 30];
-        for h in handles {
-            let (i, s, outcome) = h.await.unwrap();
-            assert_eq!(s, StatusCode::OK);
-            if outcome == "consumed" {
-                consumed[i] += 1;
-            }
-        }
+        let both = [a.clone(), b.clone()];
+        let consumed = consume_race(&both, &tokens, 6, |i| format!("x{i}")).await;
         assert!(consumed.iter().all(|&n| n == 1), "{biz}: {consumed:?}");
     }
 }

@@ -9,6 +9,7 @@
 use reqwest::StatusCode;
 use serde_json::json;
 
+use crate::helpers::calls::consumed_in_postgres;
 use crate::helpers::cluster::{finish_move, masters, move_slot, move_slot_to};
 use crate::helpers::procs::{redis_cli, Cluster, RedisProc};
 use crate::helpers::*;
@@ -79,19 +80,7 @@ async fn moved_and_ask_during_a_resharding_are_followed_and_consume_once() {
 
     // The fast consumes reach Postgres, once each.
     let pool = app.pg().await;
-    eventually(15, || {
-        let pool = pool.clone();
-        async move {
-            let n: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM tokens WHERE biz_type = 'like' AND state = 'consumed'",
-            )
-            .fetch_one(&pool)
-            .await
-            .ok()?;
-            (n == 3).then_some(())
-        }
-    })
-    .await;
+    consumed_in_postgres(&pool, "like", 3, 15).await;
     pool.close().await;
     app.stop().await;
 }

@@ -19,6 +19,7 @@ use reqwest::StatusCode;
 use serde_json::json;
 use tempfile::TempDir;
 
+use crate::helpers::calls::consumed_in_postgres;
 use crate::helpers::procs::PgProc;
 use crate::helpers::*;
 
@@ -708,19 +709,7 @@ async fn a_tls_only_cluster_serves_fast_and_durable_tokens_exactly_once() {
     assert!(holding >= 2, "token keys on {holding} of 3 masters");
     // The fast consumes reach Postgres through the journal.
     let pool = app.pg().await;
-    eventually(15, || {
-        let pool = pool.clone();
-        async move {
-            let n: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM tokens WHERE biz_type = 'like' AND state = 'consumed'",
-            )
-            .fetch_one(&pool)
-            .await
-            .ok()?;
-            (n == N as i64).then_some(())
-        }
-    })
-    .await;
+    consumed_in_postgres(&pool, "like", N as i64, 15).await;
     pool.close().await;
     app.stop().await;
 

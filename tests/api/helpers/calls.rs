@@ -40,3 +40,59 @@ pub async fn release(app: &TestApp, token: &str, subject: &str) -> StatusCode {
     .await
     .status()
 }
+
+/// Waits (up to `secs`) until Postgres holds exactly `n` consumed tokens of
+/// `biz` (the journal of a fast type drained, say).
+pub async fn consumed_in_postgres(pool: &sqlx::PgPool, biz: &str, n: i64, secs: u64) {
+    eventually(secs, || {
+        let pool = pool.clone();
+        async move {
+            let got: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM tokens WHERE biz_type = $1 AND state = 'consumed'",
+            )
+            .bind(biz)
+            .fetch_one(&pool)
+            .await
+            .ok()?;
+            (got == n).then_some(())
+        }
+    })
+    .await;
+}
+
+/// `copies` identical consumes of every token at once, spread over `apps` in
+/// turn, token `i` bound to `subject(i)`: how many consumes of each token
+/// answered `consumed` (every answer must be a 200).
+pub async fn consume_race(
+    apps: &[std::sync::Arc<TestApp>],
+    tokens: &[String],
+    copies: usize,
+    subject: fn(usize) -> String,
+) -> Vec<usize> {
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(tokens.len() * copies));
+    let mut handles = Vec::new();
+    for (i, token) in tokens.iter().enumerate() {
+        for copy in 0..copies {
+            let app = apps[copy % apps.len()].clone();
+            let (barrier, token) = (barrier.clone(), token.clone());
+            handles.push(tokio::spawn(async move {
+                barrier.wait().await;
+                let (s, _, body) = answer(
+                    app.consume(PAYMENTS, &token, &json!({"subject": subject(i)}))
+                        .await,
+                )
+                .await;
+                (i, s, body["outcome"].as_str().unwrap_or("?").to_owned())
+            }));
+        }
+    }
+    let mut consumed = vec![0; tokens.len()];
+    for h in handles {
+        let (i, s, outcome) = h.await.expect("a consume task");
+        assert_eq!(s, StatusCode::OK);
+        if outcome == "consumed" {
+            consumed[i] += 1;
+        }
+    }
+    consumed
+}
