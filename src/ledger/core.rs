@@ -97,17 +97,10 @@ impl Ledger {
         writer: Writer,
         changes: Arc<Changes>,
         off_path: OffPath,
+        fleet: Arc<Fleet>,
+        bloom: Arc<IssuedFilter>,
     ) -> Ledger {
-        let bloom = Arc::new(IssuedFilter::new(settings.bloom.clone(), metrics.clone()));
         let batcher = ConsumeBatcher::new(pools.clone(), metrics.clone(), &settings.postgres);
-        let fleet = Arc::new(Fleet::new(
-            &settings,
-            pools.hot.clone(),
-            pools.deadline,
-            fast.clone(),
-            clock.clone(),
-            &metrics,
-        ));
         let resync = Arc::new(ResyncQueue::new(metrics.resync_depth.clone()));
         Ledger {
             changes,
@@ -136,14 +129,6 @@ impl Ledger {
 
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
-    }
-    /// The fleet-wide filter of issued token ids.
-    pub fn bloom(&self) -> &Arc<IssuedFilter> {
-        &self.bloom
-    }
-    /// The fleet's agreement on Redis (see [`crate::fleet`]).
-    pub fn fleet(&self) -> &Arc<Fleet> {
-        &self.fleet
     }
     pub fn worker_id(&self) -> u16 {
         self.lease.worker_id()
