@@ -31,11 +31,12 @@ use crate::issuance::lease::WorkerLease;
 use crate::issuance::writer::WriterTask;
 use crate::issuance::{filter, writer};
 use crate::journal::Drainer;
-use crate::ledger::Ledger;
+use crate::ledger::{Issuer, Ledger, Verifier};
 use crate::metrics::Metrics;
 use crate::orders::Orders;
 use crate::reconcile::Reconciler;
 use crate::tasks::{OffPath, Tasks};
+use crate::token::TokenCodec;
 use crate::{journal, reconcile};
 
 #[derive(Debug, Clone, Copy)]
@@ -198,10 +199,27 @@ impl Parts {
             &metrics,
         ));
         let filter = Arc::new(IssuedFilter::new(settings.bloom.clone(), metrics.clone()));
+        let codec = TokenCodec::new(settings.tokens.signing_keys.clone());
+        let verifier = Verifier::new(
+            settings.clone(),
+            codec.clone(),
+            filter.clone(),
+            clock.clone(),
+            metrics.clone(),
+        );
+        let issuer = Issuer::new(
+            &settings,
+            lease.clone(),
+            writer.clone(),
+            codec,
+            filter.clone(),
+            fast.clone(),
+            clock.clone(),
+            metrics.clone(),
+        );
         let ledger = Arc::new(Ledger::new(
             settings.clone(),
             clock.clone(),
-            lease.clone(),
             fast.clone(),
             pools.clone(),
             metrics,
@@ -209,7 +227,8 @@ impl Parts {
             changes.clone(),
             off_path.clone(),
             fleet.clone(),
-            filter.clone(),
+            verifier,
+            issuer,
         ));
         // Sealed audit checkpoints, on the admin pool (one instance at a time).
         let seals = Seals::new(&settings.audit, pools.admin.clone());

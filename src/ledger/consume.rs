@@ -12,8 +12,8 @@ mod prior;
 use prior::same_request;
 pub(super) use prior::{answer_from_row, classify, Attempted, Prior};
 
-use super::core::{ms, ms_to_time};
 use super::held::{Held, Of};
+use super::util::{ms, ms_to_time};
 use super::{ConsumeAnswer, ConsumeInput, ConsumeOutcome, Ledger, LedgerError};
 use crate::auth::Client;
 use crate::config::Durability;
@@ -59,11 +59,14 @@ impl Ledger {
         input: &ConsumeInput,
     ) -> Result<Look, LedgerError> {
         let (token, settings) =
-            self.authorize(caller, text, &input.subject, input.biz_type.as_ref())?;
+            self.verifier
+                .authorize(caller, text, &input.subject, input.biz_type.as_ref())?;
         let biz = token.claims.biz_type.clone();
         let held = Held {
             handle: token.text.clone(),
-            record: self.record_for(&token, settings.durability, caller, &input.subject),
+            record: self
+                .verifier
+                .record_for(&token, settings.durability, caller, &input.subject),
             durability: settings.durability,
             issued_until_ms: token.claims.expires_at_ms(),
             of_request: None,

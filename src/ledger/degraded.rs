@@ -12,8 +12,8 @@ use std::time::Duration;
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 
 use super::consume::{answer_from_row, classify, Attempted, Prior};
-use super::core::{ms, ms_to_time};
 use super::held::{Held, Of};
+use super::util::{ms, ms_to_time};
 use super::{ConsumeAnswer, DuplicateStatus, Ledger, LedgerError};
 use crate::config::RedisSettings;
 use crate::durable::fleet as fleet_store;

@@ -67,7 +67,7 @@ impl Ledger {
         key: &ClientKey,
         subject: &str,
     ) -> Result<Held, LedgerError> {
-        let settings = self.biz_settings_for(caller, biz)?;
+        let settings = self.verifier.biz_settings_for(caller, biz)?;
         Ok(self.held_key_of(&caller.name, settings.durability, biz, key, subject))
     }
 
@@ -176,7 +176,7 @@ impl Ledger {
         key: &ClientKey,
         reason: &Reason,
     ) -> Result<(), LedgerError> {
-        let settings = self.biz_settings_for(caller, biz)?;
+        let settings = self.verifier.biz_settings_for(caller, biz)?;
         let held = self.held_key_of(owner, settings.durability, biz, key, "");
         let fields = (held.durability == Durability::Fast).then(|| {
             journal::admin_release_fields_for(&held.record, &caller.name, reason.as_str())
@@ -196,7 +196,7 @@ impl Ledger {
         result: &Json,
         reason: &Reason,
     ) -> Result<ResultAnswer, LedgerError> {
-        let settings = self.biz_settings_for(caller, biz)?;
+        let settings = self.verifier.biz_settings_for(caller, biz)?;
         let held = self.held_key_of(owner, settings.durability, biz, key, "");
         self.record_result_as(&held, result, Some((&caller.name, reason.as_str())))
             .await

@@ -61,6 +61,8 @@ mod orders;
 mod read;
 mod result;
 mod settle;
+mod util;
+mod verify;
 mod wait;
 pub use lease::{run_sweeps, uncertain_metric, SweepReport};
 pub use wait::MAX_WAIT;
@@ -71,5 +73,7 @@ pub use api::{
     LedgerError, ResultAnswer, TokenReading,
 };
 pub use core::Ledger;
+pub use issue::Issuer;
 pub use keys::KeyInput;
 pub use orders::OrderToken;
+pub use verify::Verifier;

@@ -15,9 +15,9 @@ use std::time::Duration;
 
 use serde_json::Value as Json;
 
-use super::core::{ms, ms_to_time, Tally};
 use super::degraded::Resync;
 use super::held::Held;
+use super::util::{ms, ms_to_time, Tally};
 use super::{Ledger, LedgerError, ResultAnswer};
 use crate::auth::Client;
 use crate::config::Durability;
@@ -46,10 +46,12 @@ impl Ledger {
         result: &Json,
         of_request: Option<&RequestId>,
     ) -> Result<ResultAnswer, LedgerError> {
-        let (token, settings) = self.authorize(caller, text, subject, None)?;
+        let (token, settings) = self.verifier.authorize(caller, text, subject, None)?;
         let held = Held {
             handle: token.text.clone(),
-            record: self.record_for(&token, settings.durability, caller, subject),
+            record: self
+                .verifier
+                .record_for(&token, settings.durability, caller, subject),
             durability: settings.durability,
             issued_until_ms: token.claims.expires_at_ms(),
             of_request: of_request.map(|r| r.as_str().to_owned()),
@@ -306,10 +308,12 @@ impl Ledger {
         subject: &Subject,
         of_request: Option<&RequestId>,
     ) -> Result<(), LedgerError> {
-        let (token, settings) = self.authorize(caller, text, subject, None)?;
+        let (token, settings) = self.verifier.authorize(caller, text, subject, None)?;
         let held = Held {
             handle: token.text.clone(),
-            record: self.record_for(&token, settings.durability, caller, subject),
+            record: self
+                .verifier
+                .record_for(&token, settings.durability, caller, subject),
             durability: settings.durability,
             issued_until_ms: token.claims.expires_at_ms(),
             of_request: of_request.map(|r| r.as_str().to_owned()),
@@ -329,7 +333,9 @@ impl Ledger {
         text: &str,
         reason: &Reason,
     ) -> Result<(), LedgerError> {
-        let (token, settings) = self.authorize_unbound_as(caller, text, Tally::Quiet)?;
+        let (token, settings) = self
+            .verifier
+            .authorize_unbound_as(caller, text, Tally::Quiet)?;
         let (record, fields) = match settings.durability {
             Durability::Fast => {
                 let record = self.recorded_owner(&token).await?;
@@ -364,7 +370,9 @@ impl Ledger {
         result: &Json,
         reason: &Reason,
     ) -> Result<ResultAnswer, LedgerError> {
-        let (token, settings) = self.authorize_unbound_as(caller, text, Tally::Quiet)?;
+        let (token, settings) = self
+            .verifier
+            .authorize_unbound_as(caller, text, Tally::Quiet)?;
         let record = match settings.durability {
             Durability::Fast => self.recorded_owner(&token).await?,
             Durability::Durable => self.unowned_record(&token, settings.durability),

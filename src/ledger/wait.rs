@@ -42,8 +42,8 @@ impl Ledger {
         wait: Duration,
     ) -> Result<ConsumeAnswer, LedgerError> {
         // A token that does not verify is refused by the consume itself.
-        let id = match self.codec.verify(text) {
-            Ok(token) if !wait.is_zero() => token.claims.id.as_i64(),
+        let id = match self.verifier.tag_only(text) {
+            Some(token) if !wait.is_zero() => token.claims.id.as_i64(),
             _ => return self.consume(caller, text, input).await,
         };
         self.waiting(id, wait, || self.look_consume(caller, text, input))
