@@ -31,7 +31,7 @@ use crate::issuance::lease::WorkerLease;
 use crate::issuance::writer::WriterTask;
 use crate::issuance::{filter, writer};
 use crate::journal::Drainer;
-use crate::ledger::{Issuer, Ledger, Verifier};
+use crate::ledger::{CatchUp, Issuer, Ledger, Verifier};
 use crate::metrics::Metrics;
 use crate::orders::Orders;
 use crate::reconcile::Reconciler;
@@ -217,6 +217,13 @@ impl Parts {
             clock.clone(),
             metrics.clone(),
         );
+        let catch_up = CatchUp::new(
+            &settings,
+            fast.clone(),
+            clock.clone(),
+            metrics.clone(),
+            off_path.clone(),
+        );
         let ledger = Arc::new(Ledger::new(
             settings.clone(),
             clock.clone(),
@@ -229,6 +236,7 @@ impl Parts {
             fleet.clone(),
             verifier,
             issuer,
+            catch_up,
         ));
         // Sealed audit checkpoints, on the admin pool (one instance at a time).
         let seals = Seals::new(&settings.audit, pools.admin.clone());

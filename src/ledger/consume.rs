@@ -344,7 +344,10 @@ impl Ledger {
                 // without it. It is not answered as made: the caller retries
                 // with its request_id once this instance is a member again.
                 if !gate.still_held() {
-                    self.fallback.uncertain.insert(held.record.id, ());
+                    self.catch_up
+                        .fallback()
+                        .uncertain
+                        .insert(held.record.id, ());
                     return Err(LedgerError::Unavailable {
                         what: "fleet membership ran out during the decision (outcome unknown; retry with the same request_id)",
                         retry_after_secs: 1,
@@ -398,7 +401,10 @@ impl Ledger {
                 // its request_id and learns the outcome; until Redis answers
                 // again, this instance does not decide it without Redis.
                 Err(e) => {
-                    self.fallback.uncertain.insert(held.record.id, ());
+                    self.catch_up
+                        .fallback()
+                        .uncertain
+                        .insert(held.record.id, ());
                     return Err(LedgerError::Unavailable {
                         what: "redis (outcome unknown; retry with the same request_id)",
                         retry_after_secs: 1,
@@ -586,7 +592,7 @@ impl Ledger {
     /// an older generation, so a late or repeated one never undoes a release
     /// or a newer consume.
     pub(super) fn settle_consumed_in_background(&self, token: &str, gen: i64, marker: Marker) {
-        self.writebacks.push(ConsumedWrite {
+        self.catch_up.write_back(ConsumedWrite {
             token: token.to_owned(),
             gen,
             marker,

@@ -8,9 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::api::{ConsumeOutcome, Issued, LedgerError};
-use super::degraded::{Fallback, ResyncQueue};
+use super::catch_up::CatchUp;
 use super::issue::Issuer;
-use super::settle::WriteBacks;
 use super::util::count_consume;
 use super::verify::Verifier;
 use crate::auth::Client;
@@ -39,14 +38,13 @@ pub struct Ledger {
     pub(super) verifier: Verifier,
     /// Issuing.
     pub(super) issuer: Issuer,
-    pub(super) resync: Arc<ResyncQueue>,
-    pub(super) fallback: Fallback,
+    /// Redis catching up: fast consumes without it, the writes it missed,
+    /// the write-backs on their way.
+    pub(super) catch_up: Arc<CatchUp>,
     /// Durable consumes go to Postgres through it (group commit).
     pub(super) batcher: ConsumeBatcher,
     /// The fleet's agreement on Redis: who decides fast types now.
     pub(super) fleet: Arc<Fleet>,
-    /// Consumed states on their way to Redis (step 4), pipelined.
-    pub(super) writebacks: Arc<WriteBacks>,
     /// Results and releases that waiting consumes wait for.
     pub(super) changes: Arc<Changes>,
     /// Where the writes a request does not wait for run (write-backs,
@@ -77,21 +75,15 @@ impl Ledger {
         fleet: Arc<Fleet>,
         verifier: Verifier,
         issuer: Issuer,
+        catch_up: CatchUp,
     ) -> Ledger {
         let batcher = ConsumeBatcher::new(pools.clone(), metrics.clone(), &settings.postgres);
-        let resync = Arc::new(ResyncQueue::new(metrics.resync_depth.clone()));
         Ledger {
             changes,
             batcher,
             fleet,
-            writebacks: Arc::new(WriteBacks::new(
-                fast.clone(),
-                resync.clone(),
-                off_path.clone(),
-            )),
             off_path,
-            resync,
-            fallback: Fallback::new(&settings.redis),
+            catch_up: Arc::new(catch_up),
             verifier,
             issuer,
             settings,
@@ -131,7 +123,7 @@ impl Ledger {
             self.fast.probe().await;
         }
         if !self.fast.is_down() {
-            let left = self.resync_redis().await;
+            let left = self.catch_up.resync_redis().await;
             if left > 0 {
                 tracing::warn!(left, "redis writes still queued");
             }
@@ -163,5 +155,16 @@ impl Ledger {
     /// [`Issuer::prune_rate_limiters`]); returns how many pairs are left.
     pub fn prune_rate_limiters(&self) -> usize {
         self.issuer.prune_rate_limiters()
+    }
+
+    /// Replays the Redis writes queued while it was down (see
+    /// [`CatchUp::resync_redis`]); returns how many remain.
+    pub async fn resync_redis(&self) -> usize {
+        self.catch_up.resync_redis().await
+    }
+
+    /// Redis writes waiting for Redis.
+    pub fn resync_pending(&self) -> usize {
+        self.catch_up.resync_pending()
     }
 }

@@ -15,7 +15,7 @@
 
 use chrono::{DateTime, Utc};
 
-use super::degraded::Resync;
+use super::resync::Resync;
 use super::{Ledger, LedgerError};
 use crate::config::{Durability, LeaseExpiry, ProcessingLease};
 use crate::durable::leases::{self as sql, UncertainRow};
@@ -129,7 +129,7 @@ impl Ledger {
                 .await
                 .is_err()
             {
-                self.resync.push(Resync::Issued {
+                self.catch_up.queue(Resync::Issued {
                     token: r.handle.clone(),
                     gen: r.gen,
                     expires_at_ms: until_ms,

@@ -50,6 +50,7 @@
 //!   consume, result and release.
 
 pub mod api;
+mod catch_up;
 mod consume;
 mod core;
 mod degraded;
@@ -60,6 +61,7 @@ mod lease;
 mod orders;
 mod read;
 mod result;
+mod resync;
 mod settle;
 mod util;
 mod verify;
@@ -72,6 +74,7 @@ pub use api::{
     AnswerOutcome, ConsumeAnswer, ConsumeInput, ConsumeOutcome, DuplicateStatus, Issued,
     LedgerError, ResultAnswer, TokenReading,
 };
+pub use catch_up::CatchUp;
 pub use core::Ledger;
 pub use issue::Issuer;
 pub use keys::KeyInput;

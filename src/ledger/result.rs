@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use serde_json::Value as Json;
 
-use super::degraded::Resync;
 use super::held::Held;
+use super::resync::Resync;
 use super::util::{ms, ms_to_time, Tally};
 use super::{Ledger, LedgerError, ResultAnswer};
 use crate::auth::Client;
@@ -281,7 +281,7 @@ impl Ledger {
             Ok(_) => {}
             Err(err) => {
                 tracing::debug!(error = %err, "result not written to redis; queued, waiting out the marker's trust");
-                self.resync.push(Resync::Consumed {
+                self.catch_up.queue(Resync::Consumed {
                     token: handle.to_owned(),
                     gen: e.gen,
                     marker: marker.clone(),
@@ -555,11 +555,11 @@ impl Ledger {
                 // consumed marker written late by the consume this release
                 // undid (an older generation) is refused.
                 let fast = self.fast.clone();
-                let resync = self.resync.clone();
+                let catch_up = self.catch_up.clone();
                 let text = held.handle.clone();
                 self.off_path.spawn(async move {
                     if fast.write_issued(&text, gen, remaining).await.is_err() {
-                        resync.push(Resync::Issued {
+                        catch_up.queue(Resync::Issued {
                             token: text,
                             gen,
                             expires_at_ms,
