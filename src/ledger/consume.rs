@@ -12,9 +12,10 @@ mod prior;
 use prior::same_request;
 pub(super) use prior::{answer_from_row, classify, Attempted, Prior};
 
+use super::api::{ConsumeAnswer, ConsumeInput, ConsumeOutcome, LedgerError};
+use super::core::Ledger;
 use super::held::{Held, Of};
 use super::util::{ms, ms_to_time};
-use super::{ConsumeAnswer, ConsumeInput, ConsumeOutcome, Ledger, LedgerError};
 use crate::auth::Client;
 use crate::config::Durability;
 use crate::domain::{Fingerprint, RequestId};

@@ -25,9 +25,10 @@
 
 use serde_json::Value as Json;
 
+use super::api::{ConsumeAnswer, LedgerError, ResultAnswer};
 use super::consume::{Attempted, Look, Prior};
+use super::core::Ledger;
 use super::held::{Held, Of};
-use super::{ConsumeAnswer, Ledger, LedgerError, ResultAnswer};
 use crate::auth::Client;
 use crate::config::Durability;
 use crate::domain::key::{identity, ClientKey};

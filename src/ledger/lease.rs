@@ -15,8 +15,9 @@
 
 use chrono::{DateTime, Utc};
 
+use super::api::LedgerError;
+use super::core::Ledger;
 use super::resync::Resync;
-use super::{Ledger, LedgerError};
 use crate::config::{Durability, LeaseExpiry, ProcessingLease};
 use crate::durable::leases::{self as sql, UncertainRow};
 use crate::durable::timed;

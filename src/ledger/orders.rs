@@ -7,7 +7,8 @@
 
 use sqlx::{Postgres, Transaction};
 
-use super::{ConsumeOutcome, Ledger, LedgerError};
+use super::api::{ConsumeOutcome, LedgerError};
+use super::core::Ledger;
 use crate::auth::Client;
 use crate::config::{Durability, PostgresSettings};
 use crate::domain::Subject;

@@ -13,9 +13,10 @@
 use chrono::{DateTime, Utc};
 use serde_json::Value as Json;
 
+use super::api::{LedgerError, TokenReading};
+use super::core::Ledger;
 use super::lease::ran_out;
 use super::util::ms_to_time;
-use super::{Ledger, LedgerError, TokenReading};
 use crate::auth::Client;
 use crate::config::{Durability, ProcessingLease};
 use crate::domain::{Subject, TokenStatus};

@@ -15,10 +15,11 @@ use std::time::Duration;
 
 use serde_json::Value as Json;
 
+use super::api::{LedgerError, ResultAnswer};
+use super::core::Ledger;
 use super::held::Held;
 use super::resync::Resync;
 use super::util::{ms, ms_to_time, Tally};
-use super::{Ledger, LedgerError, ResultAnswer};
 use crate::auth::Client;
 use crate::config::Durability;
 use crate::domain::{Reason, RequestId, Subject};

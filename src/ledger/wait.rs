@@ -8,9 +8,10 @@
 use std::future::Future;
 use std::time::Duration;
 
-use super::api::{ConsumeAnswer, ConsumeInput, DuplicateStatus};
+use super::api::{ConsumeAnswer, ConsumeInput, DuplicateStatus, LedgerError};
 use super::consume::Look;
-use super::{KeyInput, Ledger, LedgerError};
+use super::core::Ledger;
+use super::keys::KeyInput;
 use crate::auth::Client;
 use crate::domain::key::identity;
 
