@@ -32,7 +32,7 @@ pub struct Ledger {
     pub(super) fast: Arc<FastTier>,
     pub(super) pools: Pools,
     pub(super) metrics: Arc<Metrics>,
-    /// Counts the duplicates a token met (its issuance record's).
+    /// Where a consume answered `duplicate` counts the attempt (best effort).
     pub(super) writer: Writer,
     /// Step 1: the checks of a presented token.
     pub(super) verifier: Verifier,
