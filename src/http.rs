@@ -34,6 +34,7 @@ use crate::admin::Admin;
 use crate::audit_seal::Seals;
 use crate::auth::Clients;
 use crate::config::LimitSettings;
+use crate::fleet::Fleet;
 use crate::ledger::Ledger;
 use crate::orders::Orders;
 use crate::reconcile::Reconciler;
@@ -43,6 +44,8 @@ use error::ApiError;
 #[derive(Debug, Clone)]
 pub struct AppState {
     pub ledger: Arc<Ledger>,
+    /// The fleet's agreement on Redis (`/readyz` reports it).
+    pub fleet: Arc<Fleet>,
     pub orders: Orders,
     pub admin: Admin,
     pub reconciler: Reconciler,

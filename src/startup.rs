@@ -24,16 +24,19 @@ use crate::config::Settings;
 use crate::durable::usage::PoolUsage;
 use crate::durable::{setup, Pools};
 use crate::fast::FastTier;
+use crate::fleet::Fleet;
 use crate::http::{self, AppState};
+use crate::issuance::filter::IssuedFilter;
 use crate::issuance::lease::WorkerLease;
 use crate::issuance::writer::WriterTask;
 use crate::issuance::{filter, writer};
 use crate::journal::Drainer;
-use crate::ledger::Ledger;
+use crate::ledger::{CatchUp, Issuer, Ledger, Verifier};
 use crate::metrics::Metrics;
 use crate::orders::Orders;
 use crate::reconcile::Reconciler;
 use crate::tasks::{OffPath, Tasks};
+use crate::token::TokenCodec;
 use crate::{journal, reconcile};
 
 #[derive(Debug, Clone, Copy)]
@@ -52,6 +55,9 @@ pub struct Application {
     port: u16,
     server: Server,
     ledger: Arc<Ledger>,
+    /// The fleet-wide filter of issued token ids (the ledger checks tokens
+    /// against it; tests look into it).
+    filter: Arc<IssuedFilter>,
     pools: Pools,
     tasks: Tasks,
     off_path: OffPath,
@@ -73,6 +79,10 @@ struct Parts {
     fast: Arc<FastTier>,
     lease: Arc<WorkerLease>,
     changes: Arc<Changes>,
+    /// The fleet's agreement on Redis (see [`crate::fleet`]).
+    fleet: Arc<Fleet>,
+    /// The fleet-wide filter of issued token ids.
+    filter: Arc<IssuedFilter>,
     ledger: Arc<Ledger>,
     seals: Seals,
     off_path: OffPath,
@@ -90,7 +100,7 @@ impl Application {
         let (parts, writer) = Parts::assemble(Arc::new(settings), opts, clock).await?;
         // The first report before the first request: the gate for Redis
         // decisions opens only once the fleet has counted this instance.
-        parts.ledger.fleet().beat().await;
+        parts.fleet.beat().await;
         let (tasks, bloom_loaded) = parts.start_tasks(writer);
         // Start-up waits for the filter's first load (bounded): until then
         // it fails open.
@@ -108,6 +118,7 @@ impl Application {
             port,
             server,
             ledger: parts.ledger,
+            filter: parts.filter,
             pools: parts.pools,
             tasks,
             off_path: parts.off_path,
@@ -120,6 +131,11 @@ impl Application {
 
     pub fn ledger(&self) -> &Arc<Ledger> {
         &self.ledger
+    }
+
+    /// The fleet-wide filter of issued token ids.
+    pub fn filter(&self) -> &Arc<IssuedFilter> {
+        &self.filter
     }
 
     /// A handle that stops the server gracefully (tests; signals do the same).
@@ -174,16 +190,53 @@ impl Parts {
             .registry
             .register(Box::new(crate::changes::WaitingGauge::new(changes.clone())))
             .context("registering the waiting consumes metric")?;
+        let fleet = Arc::new(Fleet::new(
+            &settings,
+            pools.hot.clone(),
+            pools.deadline,
+            fast.clone(),
+            clock.clone(),
+            &metrics,
+        ));
+        let filter = Arc::new(IssuedFilter::new(settings.bloom.clone(), metrics.clone()));
+        let codec = TokenCodec::new(settings.tokens.signing_keys.clone());
+        let verifier = Verifier::new(
+            settings.clone(),
+            codec.clone(),
+            filter.clone(),
+            clock.clone(),
+            metrics.clone(),
+        );
+        let issuer = Issuer::new(
+            &settings,
+            lease.clone(),
+            writer.clone(),
+            codec,
+            filter.clone(),
+            fast.clone(),
+            clock.clone(),
+            metrics.clone(),
+        );
+        let catch_up = CatchUp::new(
+            &settings,
+            fast.clone(),
+            clock.clone(),
+            metrics.clone(),
+            off_path.clone(),
+        );
         let ledger = Arc::new(Ledger::new(
             settings.clone(),
             clock.clone(),
-            lease.clone(),
             fast.clone(),
             pools.clone(),
             metrics,
             writer,
             changes.clone(),
             off_path.clone(),
+            fleet.clone(),
+            verifier,
+            issuer,
+            catch_up,
         ));
         // Sealed audit checkpoints, on the admin pool (one instance at a time).
         let seals = Seals::new(&settings.audit, pools.admin.clone());
@@ -194,6 +247,8 @@ impl Parts {
             fast,
             lease,
             changes,
+            fleet,
+            filter,
             ledger,
             seals,
             off_path,
@@ -209,7 +264,7 @@ impl Parts {
         tasks.spawn("issuance_writer", |stop| writer.run(stop));
         let (lease, hot) = (self.lease.clone(), self.pools.hot.clone());
         tasks.spawn("worker_lease", |stop| lease.run(hot, stop));
-        tasks.spawn("fleet", |stop| ledger.fleet().clone().run(stop));
+        tasks.spawn("fleet", |stop| self.fleet.clone().run(stop));
         let consumer = format!("worker-{}", self.lease.worker_id());
         let drainer = Drainer::new(self.fast.clone(), self.pools.hot.clone(), consumer);
         tasks.spawn("journal_drainer", |stop| drainer.run(stop));
@@ -226,7 +281,7 @@ impl Parts {
         let (bloom_ready, bloom_loaded) = oneshot::channel();
         tasks.spawn("bloom_sync", |stop| {
             filter::run(
-                ledger.bloom().clone(),
+                self.filter.clone(),
                 self.settings.postgres.clone(),
                 self.pools.clone(),
                 self.clock.clone(),
@@ -236,14 +291,14 @@ impl Parts {
         });
         tasks.spawn("bloom_marks", |stop| {
             filter::reread_marks(
-                ledger.bloom().clone(),
+                self.filter.clone(),
                 self.pools.clone(),
                 self.clock.clone(),
                 stop,
             )
         });
         tasks.spawn("bloom_maintain", |stop| {
-            filter::maintain(ledger.bloom().clone(), self.clock.clone(), stop)
+            filter::maintain(self.filter.clone(), self.clock.clone(), stop)
         });
         tracing::debug!(tasks = ?tasks.names(), "background tasks started");
         (tasks, bloom_loaded)
@@ -257,6 +312,7 @@ impl Parts {
         let port = listener.local_addr()?.port();
         let state = web::Data::new(AppState {
             ledger: self.ledger.clone(),
+            fleet: self.fleet.clone(),
             orders: Orders::new(self.ledger.clone(), self.pools.clone()),
             admin: Admin::new(settings, self.pools.admin.clone()),
             reconciler: Reconciler::new(

@@ -73,7 +73,7 @@ pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
         mode: mode.as_str(),
         worker_id: ledger.worker_id(),
         fleet: {
-            let fleet = ledger.fleet();
+            let fleet = &state.fleet;
             let v = fleet.view();
             FleetReadiness {
                 state: v.state.as_str(),

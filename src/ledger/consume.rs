@@ -12,9 +12,10 @@ mod prior;
 use prior::same_request;
 pub(super) use prior::{answer_from_row, classify, Attempted, Prior};
 
-use super::core::{ms, ms_to_time};
+use super::api::{ConsumeAnswer, ConsumeInput, ConsumeOutcome, LedgerError};
+use super::core::Ledger;
 use super::held::{Held, Of};
-use super::{ConsumeAnswer, ConsumeInput, ConsumeOutcome, Ledger, LedgerError};
+use super::util::{ms, ms_to_time};
 use crate::auth::Client;
 use crate::config::Durability;
 use crate::domain::{Fingerprint, RequestId};
@@ -59,11 +60,14 @@ impl Ledger {
         input: &ConsumeInput,
     ) -> Result<Look, LedgerError> {
         let (token, settings) =
-            self.authorize(caller, text, &input.subject, input.biz_type.as_ref())?;
+            self.verifier
+                .authorize(caller, text, &input.subject, input.biz_type.as_ref())?;
         let biz = token.claims.biz_type.clone();
         let held = Held {
             handle: token.text.clone(),
-            record: self.record_for(&token, settings.durability, caller, &input.subject),
+            record: self
+                .verifier
+                .record_for(&token, settings.durability, caller, &input.subject),
             durability: settings.durability,
             issued_until_ms: token.claims.expires_at_ms(),
             of_request: None,
@@ -341,7 +345,10 @@ impl Ledger {
                 // without it. It is not answered as made: the caller retries
                 // with its request_id once this instance is a member again.
                 if !gate.still_held() {
-                    self.fallback.uncertain.insert(held.record.id, ());
+                    self.catch_up
+                        .fallback()
+                        .uncertain
+                        .insert(held.record.id, ());
                     return Err(LedgerError::Unavailable {
                         what: "fleet membership ran out during the decision (outcome unknown; retry with the same request_id)",
                         retry_after_secs: 1,
@@ -395,7 +402,10 @@ impl Ledger {
                 // its request_id and learns the outcome; until Redis answers
                 // again, this instance does not decide it without Redis.
                 Err(e) => {
-                    self.fallback.uncertain.insert(held.record.id, ());
+                    self.catch_up
+                        .fallback()
+                        .uncertain
+                        .insert(held.record.id, ());
                     return Err(LedgerError::Unavailable {
                         what: "redis (outcome unknown; retry with the same request_id)",
                         retry_after_secs: 1,
@@ -583,7 +593,7 @@ impl Ledger {
     /// an older generation, so a late or repeated one never undoes a release
     /// or a newer consume.
     pub(super) fn settle_consumed_in_background(&self, token: &str, gen: i64, marker: Marker) {
-        self.writebacks.push(ConsumedWrite {
+        self.catch_up.write_back(ConsumedWrite {
             token: token.to_owned(),
             gen,
             marker,

@@ -1,28 +1,34 @@
-//! Issuing: the ttl bounds, the per-(client, subject) rate limit, a
-//! snowflake id from the leased worker id, the signed token, its issuance
-//! record (batched to Postgres) and its Redis seed.
+//! The [`Issuer`]: issuing a token of a biz type the caller may use: the
+//! ttl bounds, the per-(client, subject) rate limit, a snowflake id from the
+//! leased worker id, the signed token (known to the fleet's filter at once),
+//! its issuance record (batched to Postgres) and its Redis seed.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use governor::clock::{Clock as _, DefaultClock};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 
-use super::core::{ms, ms_to_time};
-use super::{Issued, Ledger, LedgerError};
+use super::api::{Issued, LedgerError};
+use super::util::{ms, ms_to_time};
 use crate::auth::Client;
-use crate::config::{Durability, Settings};
+use crate::clock::Clock;
+use crate::config::{BizSettings, Durability, Settings};
 use crate::domain::{BizType, Subject};
 use crate::durable::tokens::TokenRecord;
-use crate::fast::FastError;
-use crate::metrics::Stat;
-use crate::token::Claims;
+use crate::fast::{FastError, FastTier};
+use crate::issuance::filter::IssuedFilter;
+use crate::issuance::lease::WorkerLease;
+use crate::issuance::writer::Writer;
+use crate::metrics::{Metrics, Stat};
+use crate::token::{Claims, TokenCodec};
 
 /// The issue rate per (client, subject), per biz type that sets `issue_rate`.
-pub(super) struct IssueLimits(HashMap<BizType, DefaultKeyedRateLimiter<(String, String)>>);
+struct IssueLimits(HashMap<BizType, DefaultKeyedRateLimiter<(String, String)>>);
 
 impl IssueLimits {
-    pub(super) fn new(settings: &Settings) -> IssueLimits {
+    fn new(settings: &Settings) -> IssueLimits {
         IssueLimits(
             settings
                 .biz
@@ -66,22 +72,66 @@ impl IssueLimits {
     }
 }
 
-impl Ledger {
+/// Issues tokens: the rate limiters, the worker-id lease ids come from, the
+/// issuance writer, the codec that signs, the filter each new id goes into
+/// and Redis, where a token is seeded.
+pub struct Issuer {
+    limiters: IssueLimits,
+    lease: Arc<WorkerLease>,
+    writer: Writer,
+    codec: TokenCodec,
+    filter: Arc<IssuedFilter>,
+    fast: Arc<FastTier>,
+    clock: Arc<dyn Clock>,
+    metrics: Arc<Metrics>,
+}
+
+impl Issuer {
+    /// The rate limiters are those of `settings`' biz types.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        settings: &Settings,
+        lease: Arc<WorkerLease>,
+        writer: Writer,
+        codec: TokenCodec,
+        filter: Arc<IssuedFilter>,
+        fast: Arc<FastTier>,
+        clock: Arc<dyn Clock>,
+        metrics: Arc<Metrics>,
+    ) -> Issuer {
+        Issuer {
+            limiters: IssueLimits::new(settings),
+            lease,
+            writer,
+            codec,
+            filter,
+            fast,
+            clock,
+            metrics,
+        }
+    }
+
+    /// The snowflake worker id this instance leases.
+    pub fn worker_id(&self) -> u16 {
+        self.lease.worker_id()
+    }
+
     /// Drops the issue-rate state of pairs whose bucket is full again (they
     /// behave exactly as if never seen); returns how many pairs are left.
     pub fn prune_rate_limiters(&self) -> usize {
         self.limiters.prune()
     }
 
-    #[tracing::instrument(level = "debug", skip_all, fields(biz_type = %biz, client = %caller.name))]
-    pub async fn issue(
+    /// Issues a token of `biz`, whose `settings` the caller was checked for
+    /// (known and granted: [`super::verify::Verifier::biz_settings_for`]).
+    pub(super) async fn issue(
         &self,
+        settings: &BizSettings,
         caller: &Client,
         biz: &BizType,
         subject: &Subject,
         ttl_seconds: Option<u64>,
     ) -> Result<Issued, LedgerError> {
-        let settings = self.biz_settings_for(caller, biz)?;
         let max_ttl = settings.ttl.as_secs().max(1);
         // The floor keeps callers from minting tokens that die before use
         // (config validation keeps it between 1 s and the ttl).
@@ -115,7 +165,7 @@ impl Ledger {
         // fleet hears of it when the issuance record commits, and until then
         // the id is above this lease's issuance mark (outstanding from
         // `allocate` until the record commits), so no peer refuses it.
-        self.bloom.insert(id, now_ms);
+        self.filter.insert(id, now_ms);
         // Whole seconds in the token, rounded up: the token never lives less than asked.
         let exp_secs = (now_ms + ms(Duration::from_secs(ttl)) + 999) / 1000;
         let Ok(exp) = u32::try_from(exp_secs) else {

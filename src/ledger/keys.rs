@@ -25,9 +25,10 @@
 
 use serde_json::Value as Json;
 
+use super::api::{ConsumeAnswer, LedgerError, ResultAnswer};
 use super::consume::{Attempted, Look, Prior};
+use super::core::Ledger;
 use super::held::{Held, Of};
-use super::{ConsumeAnswer, Ledger, LedgerError, ResultAnswer};
 use crate::auth::Client;
 use crate::config::Durability;
 use crate::domain::key::{identity, ClientKey};
@@ -67,7 +68,7 @@ impl Ledger {
         key: &ClientKey,
         subject: &str,
     ) -> Result<Held, LedgerError> {
-        let settings = self.biz_settings_for(caller, biz)?;
+        let settings = self.verifier.biz_settings_for(caller, biz)?;
         Ok(self.held_key_of(&caller.name, settings.durability, biz, key, subject))
     }
 
@@ -176,7 +177,7 @@ impl Ledger {
         key: &ClientKey,
         reason: &Reason,
     ) -> Result<(), LedgerError> {
-        let settings = self.biz_settings_for(caller, biz)?;
+        let settings = self.verifier.biz_settings_for(caller, biz)?;
         let held = self.held_key_of(owner, settings.durability, biz, key, "");
         let fields = (held.durability == Durability::Fast).then(|| {
             journal::admin_release_fields_for(&held.record, &caller.name, reason.as_str())
@@ -196,7 +197,7 @@ impl Ledger {
         result: &Json,
         reason: &Reason,
     ) -> Result<ResultAnswer, LedgerError> {
-        let settings = self.biz_settings_for(caller, biz)?;
+        let settings = self.verifier.biz_settings_for(caller, biz)?;
         let held = self.held_key_of(owner, settings.durability, biz, key, "");
         self.record_result_as(&held, result, Some((&caller.name, reason.as_str())))
             .await

@@ -15,8 +15,9 @@
 
 use chrono::{DateTime, Utc};
 
-use super::degraded::Resync;
-use super::{Ledger, LedgerError};
+use super::api::LedgerError;
+use super::core::Ledger;
+use super::resync::Resync;
 use crate::config::{Durability, LeaseExpiry, ProcessingLease};
 use crate::durable::leases::{self as sql, UncertainRow};
 use crate::durable::timed;
@@ -129,7 +130,7 @@ impl Ledger {
                 .await
                 .is_err()
             {
-                self.resync.push(Resync::Issued {
+                self.catch_up.queue(Resync::Issued {
                     token: r.handle.clone(),
                     gen: r.gen,
                     expires_at_ms: until_ms,

@@ -7,7 +7,8 @@
 
 use sqlx::{Postgres, Transaction};
 
-use super::{ConsumeOutcome, Ledger, LedgerError};
+use super::api::{ConsumeOutcome, LedgerError};
+use super::core::Ledger;
 use crate::auth::Client;
 use crate::config::{Durability, PostgresSettings};
 use crate::domain::Subject;
@@ -42,7 +43,7 @@ impl Ledger {
         caller: &Client,
         text: &str,
     ) -> Result<OrderToken, LedgerError> {
-        let (token, settings) = self.authorize_unbound(caller, text)?;
+        let (token, settings) = self.verifier.authorize_unbound(caller, text)?;
         let durability = settings.durability;
         Ok(OrderToken { token, durability })
     }
@@ -54,7 +55,7 @@ impl Ledger {
         caller: &Client,
         subject: &Subject,
     ) -> Result<(), LedgerError> {
-        if self.is_bound(&token.token, caller, subject) {
+        if self.verifier.is_bound(&token.token, caller, subject) {
             Ok(())
         } else {
             Err(LedgerError::TokenMismatch)
@@ -68,7 +69,8 @@ impl Ledger {
         caller: &Client,
         subject: &Subject,
     ) -> TokenRecord {
-        self.record_for(&token.token, token.durability, caller, subject)
+        self.verifier
+            .record_for(&token.token, token.durability, caller, subject)
     }
 
     /// Consumes the token and applies `change` in the order's transaction,

@@ -13,9 +13,10 @@
 use chrono::{DateTime, Utc};
 use serde_json::Value as Json;
 
-use super::core::ms_to_time;
+use super::api::{LedgerError, TokenReading};
+use super::core::Ledger;
 use super::lease::ran_out;
-use super::{Ledger, LedgerError, TokenReading};
+use super::util::ms_to_time;
 use crate::auth::Client;
 use crate::config::{Durability, ProcessingLease};
 use crate::domain::{Subject, TokenStatus};
@@ -38,14 +39,14 @@ impl Ledger {
         text: &str,
         subject: Option<&Subject>,
     ) -> Result<TokenReading, LedgerError> {
-        let (token, settings) = self.authorize_read_as(caller, text)?;
+        let (token, settings) = self.verifier.authorize_read_as(caller, text)?;
         if !caller.reads_all() {
             let Some(subject) = subject else {
                 return Err(LedgerError::InvalidRequest(
                     "`subject` is required: the user the token was issued to".into(),
                 ));
             };
-            if !self.is_bound(&token, caller, subject) {
+            if !self.verifier.is_bound(&token, caller, subject) {
                 return Err(LedgerError::TokenMismatch);
             }
         }

@@ -15,10 +15,11 @@ use std::time::Duration;
 
 use serde_json::Value as Json;
 
-use super::core::{ms, ms_to_time, Tally};
-use super::degraded::Resync;
+use super::api::{LedgerError, ResultAnswer};
+use super::core::Ledger;
 use super::held::Held;
-use super::{Ledger, LedgerError, ResultAnswer};
+use super::resync::Resync;
+use super::util::{ms, ms_to_time, Tally};
 use crate::auth::Client;
 use crate::config::Durability;
 use crate::domain::{Reason, RequestId, Subject};
@@ -46,10 +47,12 @@ impl Ledger {
         result: &Json,
         of_request: Option<&RequestId>,
     ) -> Result<ResultAnswer, LedgerError> {
-        let (token, settings) = self.authorize(caller, text, subject, None)?;
+        let (token, settings) = self.verifier.authorize(caller, text, subject, None)?;
         let held = Held {
             handle: token.text.clone(),
-            record: self.record_for(&token, settings.durability, caller, subject),
+            record: self
+                .verifier
+                .record_for(&token, settings.durability, caller, subject),
             durability: settings.durability,
             issued_until_ms: token.claims.expires_at_ms(),
             of_request: of_request.map(|r| r.as_str().to_owned()),
@@ -279,7 +282,7 @@ impl Ledger {
             Ok(_) => {}
             Err(err) => {
                 tracing::debug!(error = %err, "result not written to redis; queued, waiting out the marker's trust");
-                self.resync.push(Resync::Consumed {
+                self.catch_up.queue(Resync::Consumed {
                     token: handle.to_owned(),
                     gen: e.gen,
                     marker: marker.clone(),
@@ -306,10 +309,12 @@ impl Ledger {
         subject: &Subject,
         of_request: Option<&RequestId>,
     ) -> Result<(), LedgerError> {
-        let (token, settings) = self.authorize(caller, text, subject, None)?;
+        let (token, settings) = self.verifier.authorize(caller, text, subject, None)?;
         let held = Held {
             handle: token.text.clone(),
-            record: self.record_for(&token, settings.durability, caller, subject),
+            record: self
+                .verifier
+                .record_for(&token, settings.durability, caller, subject),
             durability: settings.durability,
             issued_until_ms: token.claims.expires_at_ms(),
             of_request: of_request.map(|r| r.as_str().to_owned()),
@@ -329,7 +334,9 @@ impl Ledger {
         text: &str,
         reason: &Reason,
     ) -> Result<(), LedgerError> {
-        let (token, settings) = self.authorize_unbound_as(caller, text, Tally::Quiet)?;
+        let (token, settings) = self
+            .verifier
+            .authorize_unbound_as(caller, text, Tally::Quiet)?;
         let (record, fields) = match settings.durability {
             Durability::Fast => {
                 let record = self.recorded_owner(&token).await?;
@@ -364,7 +371,9 @@ impl Ledger {
         result: &Json,
         reason: &Reason,
     ) -> Result<ResultAnswer, LedgerError> {
-        let (token, settings) = self.authorize_unbound_as(caller, text, Tally::Quiet)?;
+        let (token, settings) = self
+            .verifier
+            .authorize_unbound_as(caller, text, Tally::Quiet)?;
         let record = match settings.durability {
             Durability::Fast => self.recorded_owner(&token).await?,
             Durability::Durable => self.unowned_record(&token, settings.durability),
@@ -547,11 +556,11 @@ impl Ledger {
                 // consumed marker written late by the consume this release
                 // undid (an older generation) is refused.
                 let fast = self.fast.clone();
-                let resync = self.resync.clone();
+                let catch_up = self.catch_up.clone();
                 let text = held.handle.clone();
                 self.off_path.spawn(async move {
                     if fast.write_issued(&text, gen, remaining).await.is_err() {
-                        resync.push(Resync::Issued {
+                        catch_up.queue(Resync::Issued {
                             token: text,
                             gen,
                             expires_at_ms,

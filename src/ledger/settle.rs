@@ -6,7 +6,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::degraded::{Resync, ResyncQueue};
+use super::resync::{Resync, ResyncQueue};
 use crate::fast::{ConsumedWrite, FastTier};
 use crate::tasks::OffPath;
 

@@ -8,9 +8,10 @@
 use std::future::Future;
 use std::time::Duration;
 
-use super::api::{ConsumeAnswer, ConsumeInput, DuplicateStatus};
+use super::api::{ConsumeAnswer, ConsumeInput, DuplicateStatus, LedgerError};
 use super::consume::Look;
-use super::{KeyInput, Ledger, LedgerError};
+use super::core::Ledger;
+use super::keys::KeyInput;
 use crate::auth::Client;
 use crate::domain::key::identity;
 
@@ -42,8 +43,8 @@ impl Ledger {
         wait: Duration,
     ) -> Result<ConsumeAnswer, LedgerError> {
         // A token that does not verify is refused by the consume itself.
-        let id = match self.codec.verify(text) {
-            Ok(token) if !wait.is_zero() => token.claims.id.as_i64(),
+        let id = match self.verifier.tag_only(text) {
+            Some(token) if !wait.is_zero() => token.claims.id.as_i64(),
             _ => return self.consume(caller, text, input).await,
         };
         self.waiting(id, wait, || self.look_consume(caller, text, input))

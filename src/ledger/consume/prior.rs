@@ -5,8 +5,8 @@
 use chrono::{DateTime, Utc};
 use serde_json::Value as Json;
 
-use super::super::core::ms_to_time;
-use super::super::{ConsumeAnswer, ConsumeInput, DuplicateStatus, LedgerError};
+use super::super::api::{ConsumeAnswer, ConsumeInput, DuplicateStatus, LedgerError};
+use super::super::util::ms_to_time;
 use crate::domain::{Fingerprint, RequestId};
 use crate::durable::tokens::{ConsumeRow, Existing, TokenState};
 use crate::fast::Marker;

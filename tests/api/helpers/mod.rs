@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use idempotency_ledger::clock::{Clock, SystemClock};
 use idempotency_ledger::config::Settings;
+use idempotency_ledger::issuance::filter::IssuedFilter;
 use idempotency_ledger::ledger::Ledger;
 use idempotency_ledger::startup::{Application, BuildOptions};
 use idempotency_ledger::token::{Claims, SnowflakeId, TokenCodec};
@@ -137,6 +138,8 @@ pub struct TestApp {
     pub stores: Stores,
     pub http: reqwest::Client,
     pub ledger: Arc<Ledger>,
+    /// The fleet-wide filter of issued token ids.
+    pub filter: Arc<IssuedFilter>,
     handle: actix_web::dev::ServerHandle,
     join: Option<JoinHandle<anyhow::Result<()>>>,
 }
@@ -159,6 +162,7 @@ pub async fn spawn_app_with_clock(stores: Stores, clock: Arc<dyn Clock>) -> Test
         .expect("the app builds");
     let address = format!("http://127.0.0.1:{}", app.port());
     let ledger = app.ledger().clone();
+    let filter = app.filter().clone();
     let handle = app.handle();
     let join = tokio::spawn(app.run_until_stopped());
     TestApp {
@@ -169,6 +173,7 @@ pub async fn spawn_app_with_clock(stores: Stores, clock: Arc<dyn Clock>) -> Test
             .build()
             .expect("client"),
         ledger,
+        filter,
         handle,
         join: Some(join),
     }
