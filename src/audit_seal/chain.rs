@@ -45,22 +45,8 @@ pub const GENESIS: Digest = [0; 32];
 /// anything else, but the message says what it is anyway).
 const MAC_CONTEXT: &str = "idempotency-ledger audit checkpoint v1";
 
-/// One audit event as it is sealed: every column of `audit_events`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SealedEvent {
-    pub id: i64,
-    pub at: DateTime<Utc>,
-    pub kind: String,
-    pub token_id: Option<i64>,
-    pub token: Option<String>,
-    pub subject: Option<String>,
-    pub biz_type: Option<String>,
-    pub order_id: Option<String>,
-    pub client: Option<String>,
-    pub gen: Option<i64>,
-    /// The jsonb's text as Postgres renders it (`detail::text`).
-    pub detail: String,
-}
+/// One audit event as it is sealed: the row the durable tier reads.
+pub use crate::durable::seal::SealedEvent;
 
 fn put_i64(out: &mut Vec<u8>, v: i64) {
     out.extend_from_slice(&v.to_be_bytes());

@@ -12,7 +12,24 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, PgPool, Row};
 
 use super::DurableError;
-use crate::audit_seal::chain::SealedEvent;
+
+/// One audit event as it is sealed: every column of `audit_events` (its
+/// digest and MAC are `crate::audit_seal::chain`'s).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SealedEvent {
+    pub id: i64,
+    pub at: DateTime<Utc>,
+    pub kind: String,
+    pub token_id: Option<i64>,
+    pub token: Option<String>,
+    pub subject: Option<String>,
+    pub biz_type: Option<String>,
+    pub order_id: Option<String>,
+    pub client: Option<String>,
+    pub gen: Option<i64>,
+    /// The jsonb's text as Postgres renders it (`detail::text`).
+    pub detail: String,
+}
 
 /// Advisory lock key of one sealing transaction (the migration lock is
 /// ...0001, the reconcile run's ...0003).
