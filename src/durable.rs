@@ -4,7 +4,8 @@
 //! processing leases and the uncertain queue,
 //! [`setup`] for database creation, migrations and start-up checks,
 //! [`admin`] for audit queries and stats, [`seal`] for sealed audit
-//! checkpoints, [`reconcile`] for reconciliation,
+//! checkpoints, [`reconcile`] for reconciliation, [`partitions`] for the
+//! day partitions of `tokens` and their drop,
 //! [`bloom`] for the issued-token filter's channel and load, `pg_enum` for
 //! the Postgres enum types, [`marks`] for
 //! the issuance marks, [`usage`] for the pools' use as metrics, [`batch`]
@@ -24,6 +25,7 @@ pub mod lease;
 pub mod leases;
 pub mod marks;
 pub mod orders;
+pub mod partitions;
 mod pg_enum;
 pub mod pools;
 pub mod reconcile;

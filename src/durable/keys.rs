@@ -2,8 +2,10 @@
 //! migration V6): its result, release, journal apply, reconciliation and
 //! purge are the token statements'. What differs is the consume: the first
 //! consume of a key creates its row, and the unique index on
-//! (client, biz_type, key) decides first use versus duplicate, in one
-//! statement with its `key.consumed` audit row.
+//! (client, biz_type, key, id) decides first use versus duplicate, in one
+//! statement with its `key.consumed` audit row (the id is derived from the
+//! other three, and V16's partitioned `tokens` needs it in every unique
+//! index).
 
 use chrono::{DateTime, Utc};
 use sqlx::{PgPool, Row};
@@ -94,7 +96,7 @@ async fn consume_statement(
                                      request_id)
             VALUES ($1, $2, $3, $4, $5::durability, $6, $7, now(), now(), 'consumed', 1, now(),
                     $8, $9)
-            ON CONFLICT (client, biz_type, key) WHERE key IS NOT NULL DO UPDATE
+            ON CONFLICT (client, biz_type, key, id) WHERE key IS NOT NULL DO UPDATE
                SET state = 'consumed', gen = t.gen + 1, consumed_at = now(),
                    fingerprint = EXCLUDED.fingerprint, request_id = EXCLUDED.request_id
              WHERE t.state = 'issued' AND ($6 = '' OR t.subject = $6)

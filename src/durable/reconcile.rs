@@ -1,5 +1,6 @@
 //! Reconciliation statements: the run lock, batched reads that compare
-//! Postgres with Redis, the order consistency check, the retention purge and
+//! Postgres with Redis, the order consistency check, the row-by-row
+//! retention purge (the day partitions' drop is in [`super::partitions`]) and
 //! the `reconcile.repaired` audit rows. Every read is a keyset page; every
 //! write is one statement per batch.
 
@@ -236,10 +237,17 @@ pub enum PurgeKind {
     Issued,
 }
 
-const PURGE_CONSUMED: &str =
+/// The rows each kind takes (`$1`: the retention in seconds); a day
+/// partition is dropped when all of its rows meet one of them.
+pub(super) const PURGE_CONSUMED: &str =
     "state = 'consumed' AND consumed_at < now() - make_interval(secs => $1)
      AND expires_at < now() AND order_id IS NULL";
-const PURGE_ISSUED: &str = "state = 'issued' AND expires_at < now() - make_interval(secs => $1)";
+pub(super) const PURGE_ISSUED: &str =
+    "state = 'issued' AND expires_at < now() - make_interval(secs => $1)";
+
+/// Leaves out the ids `[$2, $3)`: the day partitions not yet past their bound
+/// (`partitions::kept_range`), whose rows go with their partition.
+const OUTSIDE_KEPT: &str = "NOT (id >= $2 AND id < $3)";
 
 fn purge_where(kind: PurgeKind) -> &'static str {
     match kind {
@@ -248,36 +256,43 @@ fn purge_where(kind: PurgeKind) -> &'static str {
     }
 }
 
-/// How many records the purge would take (dry run).
+/// How many records the purge would take outside `kept` (`[lo, hi)`, see
+/// [`OUTSIDE_KEPT`]): those the row-by-row purge deletes and those of the day
+/// partitions it drops whole.
 pub async fn count_purgeable(
     pool: &PgPool,
     kind: PurgeKind,
     retention_secs: f64,
+    kept: (i64, i64),
 ) -> Result<i64, DurableError> {
     Ok(sqlx::query_scalar(&format!(
-        "SELECT count(*) FROM tokens WHERE {}",
+        "SELECT count(*) FROM tokens WHERE {} AND {OUTSIDE_KEPT}",
         purge_where(kind)
     ))
     .bind(retention_secs)
+    .bind(kept.0)
+    .bind(kept.1)
     .fetch_one(pool)
     .await?)
 }
 
-/// Deletes one batch of purgeable records, each with its `reconcile.repaired`
-/// audit row, in one statement. Returns how many were deleted (0: done).
-/// Records bound to an order are kept: they are the order's proof of payment.
-/// `by` (who asked for the run) goes into each audit row's detail.
+/// Deletes one batch of purgeable records outside `kept` (`[lo, hi)`, see
+/// [`OUTSIDE_KEPT`]), each with its `reconcile.repaired` audit row, in one
+/// statement. Returns how many were deleted (0: done). Records bound to an
+/// order are kept: they are the order's proof of payment. `by` (who asked
+/// for the run) goes into each audit row's detail.
 pub async fn purge_batch(
     pool: &PgPool,
     kind: PurgeKind,
     retention_secs: f64,
+    kept: (i64, i64),
     limit: i64,
     by: &str,
 ) -> Result<u64, DurableError> {
     let n: i64 = sqlx::query_scalar(&format!(
         r#"
         WITH victims AS (
-            SELECT id FROM tokens WHERE {} LIMIT $2 FOR UPDATE SKIP LOCKED
+            SELECT id FROM tokens WHERE {} AND {OUTSIDE_KEPT} LIMIT $4 FOR UPDATE SKIP LOCKED
         ), del AS (
             DELETE FROM tokens t USING victims v WHERE t.id = v.id
             RETURNING t.id, t.token, t.key, t.subject, t.biz_type, t.client, t.state,
@@ -290,7 +305,7 @@ pub async fn purge_batch(
                        'class', 'expired_purgeable', 'action', 'purged',
                        'state', d.state::text, 'consumed_at', d.consumed_at,
                        'expires_at', CASE WHEN d.key IS NULL THEN d.expires_at END,
-                       'key', d.key, 'by', $3::text))
+                       'key', d.key, 'by', $5::text))
               FROM del d
         )
         SELECT count(*) FROM del
@@ -298,6 +313,8 @@ pub async fn purge_batch(
         purge_where(kind)
     ))
     .bind(retention_secs)
+    .bind(kept.0)
+    .bind(kept.1)
     .bind(limit)
     .bind(by)
     .fetch_one(pool)

@@ -1,6 +1,7 @@
 //! Creating the database when it is missing, running the refinery migrations
 //! (through tokio-postgres, under an advisory lock so that instances starting
-//! together do not race), and the start-up checks from DESIGN.md.
+//! together do not race) and then making the day partitions of `tokens`
+//! ahead, and the start-up checks from DESIGN.md.
 
 use anyhow::Context;
 use sqlx::Row;
@@ -82,7 +83,8 @@ pub async fn create_database_if_missing(url: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Applies pending migrations; returns how many were applied.
+/// Applies pending migrations and makes the day partitions of `tokens`
+/// ahead; returns how many migrations were applied.
 pub async fn migrate(url: &str) -> anyhow::Result<usize> {
     let (mut client, task) = connect(url, "connecting to postgres for migrations").await?;
     client
@@ -94,6 +96,19 @@ pub async fn migrate(url: &str) -> anyhow::Result<usize> {
         .run_async(&mut client)
         .await
         .context("running migrations");
+    // The day partitions of `tokens` ahead (V16), under the same lock; the
+    // reconcile run makes them too.
+    let made = match &report {
+        Ok(_) => client
+            .query_one(
+                "SELECT tokens_ensure_partitions($1)",
+                &[&super::partitions::DAYS_AHEAD],
+            )
+            .await
+            .context("making the day partitions of tokens")
+            .map(|r| r.get::<_, i32>(0)),
+        Err(_) => Ok(0),
+    };
     let _ = client
         .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
         .await;
@@ -102,6 +117,10 @@ pub async fn migrate(url: &str) -> anyhow::Result<usize> {
     let report = report?;
     for m in report.applied_migrations() {
         tracing::info!(migration = %m, "applied migration");
+    }
+    let made = made?;
+    if made > 0 {
+        tracing::info!(partitions = made, "made day partitions of tokens");
     }
     Ok(report.applied_migrations().len())
 }

@@ -22,7 +22,11 @@
 //!    a consume won meanwhile).
 //! 4. Keyset pages of orders: `order_inconsistent` (reported, never repaired).
 //! 5. `expired_purgeable`: records past `tokens.retention` (and past their
-//!    own expiry) are deleted in batches; they then answer `token_expired`.
+//!    own expiry) go; they then answer `token_expired`. A day partition of
+//!    `tokens` past its bound whose rows have all gone past retention is
+//!    dropped whole; the rest (client keys, tokens from before migration
+//!    V16, `tokens_default`, a day partition holding an order's token) are
+//!    deleted in batches. The day partitions ahead are made first.
 //!
 //! Every repair writes a `reconcile.repaired` audit event whose detail names
 //! the class and who asked for the run (`by`, also in the report). Every Redis repair is one script on one key that checks the
@@ -107,6 +111,9 @@ pub struct Reconciler {
     fast: Arc<FastTier>,
     codec: TokenCodec,
     retention: Duration,
+    /// The longest `ttl` of any biz type: a day partition's rows have all
+    /// expired by the end of its day plus this.
+    max_ttl: Duration,
     batch: usize,
     /// Only for the report's start and finish times: Postgres `now()` and
     /// Redis's clock judge expiry and deadlines.

@@ -30,6 +30,12 @@ impl Reconciler {
             clock,
             codec: TokenCodec::new(settings.tokens.signing_keys.clone()),
             retention: settings.tokens.retention,
+            max_ttl: settings
+                .biz
+                .values()
+                .map(|b| b.ttl)
+                .max()
+                .unwrap_or_default(),
             batch: settings.reconcile.batch_size.max(1),
         }
     }

@@ -36,6 +36,7 @@ mod metrics;
 mod order_batching;
 mod orders;
 mod orders_model;
+mod partitions;
 mod reconcile;
 mod reconcile_cluster;
 mod redirects;

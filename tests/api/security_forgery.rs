@@ -74,12 +74,15 @@ fn request_path_delta(
 }
 
 /// Postgres's counters for the test database, in one statement: operations
-/// on the token tables (scans, inserted, updated and deleted rows) and
-/// committed transactions.
+/// on the token tables (`tokens`' partitions, which hold its statistics, and
+/// `audit_events`: scans, inserted, updated and deleted rows) and committed
+/// transactions.
 async fn pg_counters(pool: &sqlx::PgPool) -> (i64, i64) {
     sqlx::query_as(
         "SELECT (SELECT coalesce(sum(seq_scan + coalesce(idx_scan, 0) + n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint
-                   FROM pg_stat_user_tables WHERE relname IN ('tokens', 'audit_events')),
+                   FROM pg_stat_user_tables
+                  WHERE relname = 'audit_events'
+                     OR relid IN (SELECT relid FROM pg_partition_tree('tokens'))),
                 (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database())",
     )
     .fetch_one(pool)
