@@ -257,7 +257,12 @@ impl Parts {
         let port = listener.local_addr()?.port();
         let state = web::Data::new(AppState {
             ledger: self.ledger.clone(),
-            orders: Orders::new(self.ledger.clone(), self.pools.clone()),
+            orders: Orders::new(
+                self.ledger.clone(),
+                self.pools.clone(),
+                self.clock.clone(),
+                self.off_path.clone(),
+            ),
             admin: Admin::new(settings, self.pools.admin.clone()),
             reconciler: Reconciler::new(
                 settings,

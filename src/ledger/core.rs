@@ -99,7 +99,13 @@ impl Ledger {
         off_path: OffPath,
     ) -> Ledger {
         let bloom = Arc::new(IssuedFilter::new(settings.bloom.clone(), metrics.clone()));
-        let batcher = ConsumeBatcher::new(pools.clone(), metrics.clone(), &settings.postgres);
+        let batcher = ConsumeBatcher::new(
+            pools.clone(),
+            metrics.clone(),
+            &settings.postgres,
+            clock.clone(),
+            off_path.clone(),
+        );
         let fleet = Arc::new(Fleet::new(
             &settings,
             pools.hot.clone(),
