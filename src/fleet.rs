@@ -51,6 +51,10 @@
 //!   keeps the gate open instead (fast types work through a Postgres outage,
 //!   but a partition that leaves one instance with Redis and without
 //!   Postgres can then yield two deciders).
+//!
+//! The lease, the peers' count and the order of recent decisions against
+//! the journal's emptiness are measured on the service clock's monotonic
+//! reading ([`Clock::monotonic`]), so tests drive them.
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -91,7 +95,8 @@ pub struct View {
     pub unaccounted: i64,
     /// This instance's last committed report said Redis was up.
     pub reported_up: bool,
-    /// When that report began (`None`: no report yet).
+    /// When that report began, on the clock's monotonic reading (`None`: no
+    /// report yet).
     confirmed: Option<Instant>,
     /// The reports since have failed on Postgres.
     pg_failing: bool,
@@ -213,8 +218,9 @@ pub struct Fleet {
     /// going-down flush, which so waits for them.
     deciding: tokio::sync::RwLock<()>,
     /// Fast consumes Redis decided for this instance that are not known to
-    /// be in Postgres yet, as journal entries: kept until the journal
-    /// stream was seen empty after them, however long that takes.
+    /// be in Postgres yet, as journal entries with when they were recorded
+    /// (the clock's monotonic reading): kept until the journal stream was
+    /// seen empty after them, however long that takes.
     recent: Mutex<VecDeque<(Instant, Fields)>>,
     /// `recent` holds `RECENT_LIMIT` entries: the gate stays closed until
     /// the journal catches up.
@@ -237,8 +243,21 @@ pub struct RedisGate<'a> {
     _held: tokio::sync::RwLockReadGuard<'a, ()>,
     /// Until when peers still count this instance as a member, by the
     /// report that opened the gate (`None`: with
-    /// `fleet.decide_without_postgres` while Postgres fails).
+    /// `fleet.decide_without_postgres` while Postgres fails), on `clock`'s
+    /// monotonic reading.
     counted_until: Option<Instant>,
+    clock: &'a dyn Clock,
+}
+
+/// What the lease of this instance's last report allows now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lease {
+    /// No report yet, or its lease ran out.
+    Out,
+    /// Redis may decide by it; peers count this instance until
+    /// `counted_until` (`None`: no bound, with `fleet.decide_without_postgres`
+    /// while the reports fail on Postgres).
+    Held { counted_until: Option<Instant> },
 }
 
 impl RedisGate<'_> {
@@ -249,7 +268,7 @@ impl RedisGate<'_> {
     /// instance was paused, the call stalled) is never answered as made.
     pub fn still_held(&self) -> bool {
         self.counted_until
-            .is_none_or(|until| Instant::now() < until)
+            .is_none_or(|until| self.clock.monotonic() < until)
     }
 }
 
@@ -302,15 +321,10 @@ impl Fleet {
     /// until its answer is in.
     pub fn redis_may_decide(&self) -> Option<RedisGate<'_>> {
         let v = self.view();
-        let until = match v.confirmed {
-            None => return None,
-            // Membership that cannot be renewed closes the gate: past its
-            // lease, peers may stop counting this instance.
-            Some(_) if v.pg_failing && self.decide_without_postgres => None,
-            Some(at) => Some(at + self.lease),
+        let Lease::Held { counted_until } = self.lease(&v) else {
+            return None;
         };
-        let fresh = until.is_none_or(|until| Instant::now() < until);
-        if !(v.reported_up && v.state == FleetState::Normal && fresh) {
+        if !(v.reported_up && v.state == FleetState::Normal) {
             return None;
         }
         // A script without a not-after bound could decide any time later,
@@ -322,20 +336,43 @@ impl Fleet {
         if self.closing.load(Ordering::SeqCst) || self.recent_full.load(Ordering::SeqCst) {
             return None;
         }
-        // Peers count a member for `member_timeout` after its last report
-        // (measured from its commit, which follows the report's start).
-        let counted_until = until.map(|u| u - self.lease + self.member_timeout);
         Some(RedisGate {
             _held: held,
             counted_until,
+            clock: &*self.clock,
         })
+    }
+
+    /// What the lease of the report `v` records allows now (on the clock's
+    /// monotonic reading).
+    fn lease(&self, v: &View) -> Lease {
+        let Some(at) = v.confirmed else {
+            return Lease::Out;
+        };
+        // With `fleet.decide_without_postgres`, reports failing on Postgres
+        // keep the gate open, with no bound.
+        if v.pg_failing && self.decide_without_postgres {
+            return Lease::Held {
+                counted_until: None,
+            };
+        }
+        // Membership that cannot be renewed closes the gate: past its
+        // lease, peers may stop counting this instance.
+        if self.clock.monotonic() >= at + self.lease {
+            return Lease::Out;
+        }
+        // Peers count a member for `member_timeout` after its last report
+        // (measured from its commit, which follows the report's start).
+        Lease::Held {
+            counted_until: Some(at + self.member_timeout),
+        }
     }
 
     /// Records a fast consume Redis decided (its journal entry, with the
     /// time and generation), for the going-down flush.
     pub fn decided_in_redis(&self, _gate: &RedisGate<'_>, entry: Fields) {
         let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
-        recent.push_back((Instant::now(), entry));
+        recent.push_back((self.clock.monotonic(), entry));
         if recent.len() >= RECENT_LIMIT {
             self.recent_full.store(true, Ordering::SeqCst);
         }
@@ -359,7 +396,7 @@ impl Fleet {
     /// Looks whether the journal is drained (one `XLEN`), see
     /// [`Self::journal_drained_before`].
     async fn note_journal_progress(&self) {
-        let probe = Instant::now();
+        let probe = self.clock.monotonic();
         if self.fast.journal_backlog_len() == 0 && matches!(self.fast.journal_len().await, Ok(0)) {
             self.journal_drained_before(probe);
         }
@@ -443,7 +480,7 @@ impl Fleet {
             self.view.send_modify(|v| v.pg_failing = true);
             return;
         }
-        let started = Instant::now();
+        let started = self.clock.monotonic();
         let report = self
             .bounded(store::report(
                 &self.pool,
@@ -668,5 +705,68 @@ impl Fleet {
             written.insert((q.id, e.gen));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+
+    /// A fleet on `clock` that connects to nothing (its pool is lazy, its
+    /// Redis tier connects on first use).
+    fn fleet_on(clock: &ManualClock, extra: &str) -> Fleet {
+        let settings = Settings::from_toml_over_defaults(extra).expect("valid");
+        let clock: Arc<dyn Clock> = Arc::new(clock.clone());
+        let metrics = Metrics::new();
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy("postgres://ledger@127.0.0.1:1/none")
+            .expect("a lazy pool");
+        let fast = FastTier::new(
+            settings.redis.clone(),
+            Arc::new(Metrics::new()),
+            clock.clone(),
+        );
+        Fleet::new(
+            &settings,
+            pool,
+            Duration::from_secs(1),
+            fast,
+            clock,
+            &metrics,
+        )
+    }
+
+    #[tokio::test]
+    async fn the_gate_lease_runs_out_when_the_clock_passes_it() {
+        let clock = ManualClock::new(0);
+        let fleet = fleet_on(
+            &clock,
+            "[fleet]\nlease = \"1s\"\n[redis]\ntimeout = \"100ms\"",
+        );
+        assert_eq!(fleet.lease(&fleet.view()), Lease::Out, "no report yet");
+        let at = clock.monotonic();
+        fleet.view.send_modify(|v| {
+            v.reported_up = true;
+            v.confirmed = Some(at);
+        });
+        // Peers count this instance for lease + redis.timeout + 1s.
+        let counted_until = Some(at + Duration::from_millis(2100));
+        let held = Lease::Held { counted_until };
+        assert_eq!(fleet.lease(&fleet.view()), held);
+        // Wall time alone moves nothing.
+        clock.advance_ms(60_000);
+        clock.advance_monotonic(Duration::from_millis(999));
+        assert_eq!(fleet.lease(&fleet.view()), held, "within the lease");
+        let gate = RedisGate {
+            _held: fleet.deciding.try_read().expect("free"),
+            counted_until,
+            clock: &*fleet.clock,
+        };
+        clock.advance_monotonic(Duration::from_millis(1));
+        assert_eq!(fleet.lease(&fleet.view()), Lease::Out, "the lease ran out");
+        assert!(gate.still_held(), "peers still count this instance");
+        clock.advance_monotonic(Duration::from_millis(1100));
+        assert!(!gate.still_held(), "peers may have stopped counting it");
     }
 }

@@ -85,278 +85,398 @@ const LATENCY_BUCKETS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 ];
 
-impl Metrics {
-    pub fn new() -> Metrics {
-        // Metric definitions are static and valid; registration of distinct
-        // names into a fresh registry cannot fail.
-        let registry = Registry::new();
-        let tokens_issued = IntCounterVec::new(
-            Opts::new("ledger_tokens_issued_total", "Tokens issued."),
+/// Buckets of a histogram of items per batch or pipeline.
+const BATCH_BUCKETS: &[f64] = &[
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
+];
+
+// Metric definitions are static and valid, and every name is registered
+// once into a fresh registry: neither making nor registering one can fail.
+
+fn register<C: Collector + Clone + 'static>(registry: &Registry, c: C) -> C {
+    registry
+        .register(Box::new(c.clone()))
+        .expect("distinct metric names");
+    c
+}
+
+fn int_counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
+    register(registry, IntCounter::new(name, help).expect("valid metric"))
+}
+
+fn int_counter_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    register(registry, c)
+}
+
+fn int_gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
+    register(registry, IntGauge::new(name, help).expect("valid metric"))
+}
+
+fn gauge(registry: &Registry, name: &str, help: &str) -> Gauge {
+    register(registry, Gauge::new(name, help).expect("valid metric"))
+}
+
+fn gauge_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+    let g = GaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+    register(registry, g)
+}
+
+fn histogram(registry: &Registry, name: &str, help: &str, buckets: &[f64]) -> Histogram {
+    let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
+    register(registry, Histogram::with_opts(opts).expect("valid metric"))
+}
+
+fn histogram_vec(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    buckets: &[f64],
+    labels: &[&str],
+) -> HistogramVec {
+    let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
+    register(
+        registry,
+        HistogramVec::new(opts, labels).expect("valid metric"),
+    )
+}
+
+/// `ledger_build_info`, and the process's own (`process_cpu_seconds_total`,
+/// `process_resident_memory_bytes`, `process_open_fds`,
+/// `process_start_time_seconds`, ...; Linux).
+fn register_process(registry: &Registry) {
+    let build_info = IntGaugeVec::new(
+        Opts::new("ledger_build_info", "1, labelled with the running version."),
+        &["version"],
+    )
+    .expect("valid metric");
+    build_info
+        .with_label_values(&[env!("CARGO_PKG_VERSION")])
+        .set(1);
+    register(registry, build_info);
+    registry
+        .register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ))
+        .expect("distinct metric names");
+}
+
+/// The payment path: issues, consumes, HTTP answers and their latency, 429s.
+struct PaymentPath {
+    tokens_issued: IntCounterVec,
+    consume_total: IntCounterVec,
+    request_duration: HistogramVec,
+    http_requests: IntCounterVec,
+    rate_limited: IntCounterVec,
+}
+
+impl PaymentPath {
+    fn register(r: &Registry) -> PaymentPath {
+        let tokens_issued = int_counter_vec(
+            r,
+            "ledger_tokens_issued_total",
+            "Tokens issued.",
             &["biz_type"],
-        )
-        .expect("valid metric");
-        let consume_total = IntCounterVec::new(
-            Opts::new(
-                "ledger_consume_total",
-                "Consume attempts (order events included) by outcome: consumed, replayed, duplicate, fingerprint_mismatch, expired, invalid, mismatch, unavailable.",
-            ),
+        );
+        let consume_total = int_counter_vec(
+            r,
+            "ledger_consume_total",
+            "Consume attempts (order events included) by outcome: consumed, replayed, duplicate, fingerprint_mismatch, expired, invalid, mismatch, unavailable.",
             &["biz_type", "outcome"],
-        )
-        .expect("valid metric");
-        let request_duration = HistogramVec::new(
-            HistogramOpts::new("ledger_request_duration_seconds", "HTTP request latency.")
-                .buckets(LATENCY_BUCKETS.to_vec()),
+        );
+        let request_duration = histogram_vec(
+            r,
+            "ledger_request_duration_seconds",
+            "HTTP request latency.",
+            LATENCY_BUCKETS,
             &["endpoint"],
-        )
-        .expect("valid metric");
-        let tier_duration = HistogramVec::new(
-            HistogramOpts::new(
-                "ledger_tier_duration_seconds",
-                "Latency of one call to a tier.",
-            )
-            .buckets(LATENCY_BUCKETS.to_vec()),
-            &["tier", "op"],
-        )
-        .expect("valid metric");
-        let mode = GaugeVec::new(
-            Opts::new(
-                "ledger_mode",
-                "1 for the current mode (normal, degraded, redis_down).",
-            ),
-            &["mode"],
-        )
-        .expect("valid metric");
-        let bloom_fill_ratio = Gauge::new(
-            "ledger_bloom_fill_ratio",
-            "Fraction of bits set in the fullest live bloom filter (refreshed every 5 s).",
-        )
-        .expect("valid metric");
-        let bloom_fp_rate = Gauge::new(
-            "ledger_bloom_false_positive_rate",
-            "Estimated false-positive rate of the fullest bloom filter (fill ratio ^ hash functions): the share of forged tokens let through to the tiers.",
-        )
-        .expect("valid metric");
-        let bloom_tokens = IntGauge::new(
-            "ledger_bloom_tokens",
-            "Token ids held by the bloom filter's live generations.",
-        )
-        .expect("valid metric");
-        let bloom_synced = IntGauge::new(
-            "ledger_bloom_synced",
-            "1 while the bloom filter hears every issuance (listening and loaded); 0: unknown tokens go on to the tiers.",
-        )
-        .expect("valid metric");
-        let bloom_checks = IntCounterVec::new(
-            Opts::new(
-                "ledger_bloom_checks_total",
-                "Bloom filter checks of verified tokens by verdict: known, young (unknown but within the grace), uncovered (older than the horizon, or the filter not synced), rejected (never issued: 400 token_invalid without I/O).",
-            ),
-            &["verdict"],
-        )
-        .expect("valid metric");
-        let rate_limited = IntCounterVec::new(
-            Opts::new(
-                "ledger_rate_limited_total",
-                "Requests answered 429: scope client (the per-client ceiling) or issue (per client and subject).",
-            ),
-            &["scope"],
-        )
-        .expect("valid metric");
-        let fast_tier_total = IntCounterVec::new(
-            Opts::new(
-                "ledger_fast_tier_total",
-                "Redis lookups on the consume path: hit (Redis knew the token), miss, error (a Redis call a request waited on failed).",
-            ),
-            &["result"],
-        )
-        .expect("valid metric");
-        let redis_eviction_unsafe = IntGauge::new(
-            "ledger_redis_eviction_unsafe",
-            "1 when Redis maxmemory-policy is not noeviction (fast biz types may lose tokens).",
-        )
-        .expect("valid metric");
-        let issue_buffer_depth = IntGauge::new(
-            "ledger_issue_buffer_depth",
-            "Issuance records waiting to be written to Postgres.",
-        )
-        .expect("valid metric");
-        let redis_p99 = Gauge::new(
-            "ledger_redis_p99_seconds",
-            "p99 latency of Redis calls over redis.slow_window (above redis.slow_threshold: mode degraded).",
-        )
-        .expect("valid metric");
-        let redis_bypass = IntCounterVec::new(
-            Opts::new(
-                "ledger_redis_bypass_total",
-                "Consumes decided without Redis: degraded_sample (the sample while degraded), down (breaker open), memory (fast type decided by this instance alone).",
-            ),
-            &["reason"],
-        )
-        .expect("valid metric");
-        let resync_depth = IntGauge::new(
-            "ledger_redis_resync_depth",
-            "Redis writes queued while it was down, replayed when it is back.",
-        )
-        .expect("valid metric");
-        let journal_dead_letters = IntCounter::new(
-            "ledger_journal_dead_letters_total",
-            "Fast-type journal entries that can never apply (unreadable, or refused by Postgres for what they hold), set aside in the stream <prefix>journal:dead.",
-        )
-        .expect("valid metric");
-        let http_requests = IntCounterVec::new(
-            Opts::new(
-                "ledger_http_requests_total",
-                "HTTP answers by endpoint (the route pattern; `unmatched` for no route), method and status code.",
-            ),
+        );
+        let http_requests = int_counter_vec(
+            r,
+            "ledger_http_requests_total",
+            "HTTP answers by endpoint (the route pattern; `unmatched` for no route), method and status code.",
             &["endpoint", "method", "status"],
-        )
-        .expect("valid metric");
-        let pg_batch_size = Histogram::with_opts(
-            HistogramOpts::new(
-                "ledger_pg_batch_size",
-                "Durable consumes decided by one Postgres statement (1: sent at once; more: collected while postgres.consume_batches_in_flight statements ran).",
-            )
-            .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0]),
-        )
-        .expect("valid metric");
-        let pg_consume_queue = IntGauge::new(
-            "ledger_pg_consume_queue",
-            "Durable consumes waiting for the next batch statement.",
-        )
-        .expect("valid metric");
-        let pg_order_batch_size = Histogram::with_opts(
-            HistogramOpts::new(
-                "ledger_pg_order_batch_size",
-                "Order events (on distinct orders) decided by one Postgres transaction (1: sent at once; more: collected while postgres.order_batches_in_flight transactions ran).",
-            )
-            .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0]),
-        )
-        .expect("valid metric");
-        let pg_order_queue = IntGauge::new(
-            "ledger_pg_order_queue",
-            "Order events waiting for the next batch transaction.",
-        )
-        .expect("valid metric");
-        let journal_append_fallback = IntCounterVec::new(
-            Opts::new(
-                "ledger_journal_append_fallback_total",
-                "Cluster: fast-type journal entries whose XADD failed after the decision, by where they went: postgres (applied directly before the answer), memory (Postgres failed too: kept in this process until Redis answers), dropped (that backlog was full).",
-            ),
-            &["to"],
-        )
-        .expect("valid metric");
-        let redis_pipeline_keys = HistogramVec::new(
-            HistogramOpts::new(
-                "ledger_redis_pipeline_keys",
-                "Keys sent with one Redis pipeline, by op: reconcile (a page's reads) or writeback (a batch's consumed write-backs); one per page or batch on a standalone Redis, one per primary and page or batch on a cluster; its _count is the pipelines sent.",
-            )
-            .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0]),
-            &["op"],
-        )
-        .expect("valid metric");
-        let redis_key_rereads = IntCounterVec::new(
-            Opts::new(
-                "ledger_redis_key_rereads_total",
-                "Cluster: keys of a reconcile page read again alone, or write-backs of a batch sent again alone (op: reconcile, writeback), following redirects, instead of in their primary's pipeline, by reason: moved, ask, try_again (the pipeline met that reply in the key's slot), no_route (no known primary for the slot, or no connection to it).",
-            ),
-            &["op", "reason"],
-        )
-        .expect("valid metric");
-        let build_info = IntGaugeVec::new(
-            Opts::new("ledger_build_info", "1, labelled with the running version."),
-            &["version"],
-        )
-        .expect("valid metric");
-        build_info
-            .with_label_values(&[env!("CARGO_PKG_VERSION")])
-            .set(1);
-        for c in [
-            Box::new(tokens_issued.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(http_requests.clone()),
-            Box::new(build_info),
-            Box::new(consume_total.clone()),
-            Box::new(request_duration.clone()),
-            Box::new(tier_duration.clone()),
-            Box::new(mode.clone()),
-            Box::new(bloom_fill_ratio.clone()),
-            Box::new(bloom_fp_rate.clone()),
-            Box::new(bloom_tokens.clone()),
-            Box::new(bloom_synced.clone()),
-            Box::new(bloom_checks.clone()),
-            Box::new(rate_limited.clone()),
-            Box::new(fast_tier_total.clone()),
-            Box::new(redis_eviction_unsafe.clone()),
-            Box::new(issue_buffer_depth.clone()),
-            Box::new(redis_p99.clone()),
-            Box::new(redis_bypass.clone()),
-            Box::new(resync_depth.clone()),
-            Box::new(journal_dead_letters.clone()),
-            Box::new(pg_batch_size.clone()),
-            Box::new(pg_consume_queue.clone()),
-            Box::new(pg_order_batch_size.clone()),
-            Box::new(pg_order_queue.clone()),
-            Box::new(journal_append_fallback.clone()),
-            Box::new(redis_pipeline_keys.clone()),
-            Box::new(redis_key_rereads.clone()),
-        ] {
-            registry.register(c).expect("distinct metric names");
-        }
-        // process_cpu_seconds_total, process_resident_memory_bytes,
-        // process_open_fds, process_start_time_seconds, ... (Linux).
-        registry
-            .register(Box::new(
-                prometheus::process_collector::ProcessCollector::for_self(),
-            ))
-            .expect("distinct metric names");
-        for r in ["hit", "miss", "error"] {
-            fast_tier_total.with_label_values(&[r]);
-        }
-        for r in ["degraded_sample", "down", "memory"] {
-            redis_bypass.with_label_values(&[r]);
-        }
-        for v in ["known", "young", "uncovered", "unrecorded", "rejected"] {
-            bloom_checks.with_label_values(&[v]);
-        }
+        );
+        let rate_limited = int_counter_vec(
+            r,
+            "ledger_rate_limited_total",
+            "Requests answered 429: scope client (the per-client ceiling) or issue (per client and subject).",
+            &["scope"],
+        );
         for s in ["client", "issue"] {
             rate_limited.with_label_values(&[s]);
         }
-        for to in ["postgres", "memory", "dropped"] {
-            journal_append_fallback.with_label_values(&[to]);
-        }
-        for op in ["reconcile", "writeback"] {
-            redis_pipeline_keys.with_label_values(&[op]);
-            for r in ["moved", "ask", "try_again", "no_route"] {
-                redis_key_rereads.with_label_values(&[op, r]);
-            }
-        }
-        Metrics {
-            registry,
+        PaymentPath {
             tokens_issued,
             consume_total,
             request_duration,
+            http_requests,
+            rate_limited,
+        }
+    }
+}
+
+/// The tiers: call latency, the mode, Redis's health and what bypassed it,
+/// its write-backs and pipelines.
+struct Tiers {
+    tier_duration: HistogramVec,
+    mode: GaugeVec,
+    fast_tier_total: IntCounterVec,
+    redis_eviction_unsafe: IntGauge,
+    redis_p99: Gauge,
+    redis_bypass: IntCounterVec,
+    resync_depth: IntGauge,
+    redis_pipeline_keys: HistogramVec,
+    redis_key_rereads: IntCounterVec,
+}
+
+impl Tiers {
+    fn register(r: &Registry) -> Tiers {
+        let tier_duration = histogram_vec(
+            r,
+            "ledger_tier_duration_seconds",
+            "Latency of one call to a tier.",
+            LATENCY_BUCKETS,
+            &["tier", "op"],
+        );
+        let mode = gauge_vec(
+            r,
+            "ledger_mode",
+            "1 for the current mode (normal, degraded, redis_down).",
+            &["mode"],
+        );
+        let fast_tier_total = int_counter_vec(
+            r,
+            "ledger_fast_tier_total",
+            "Redis lookups on the consume path: hit (Redis knew the token), miss, error (a Redis call a request waited on failed).",
+            &["result"],
+        );
+        let redis_eviction_unsafe = int_gauge(
+            r,
+            "ledger_redis_eviction_unsafe",
+            "1 when Redis maxmemory-policy is not noeviction (fast biz types may lose tokens).",
+        );
+        let redis_p99 = gauge(
+            r,
+            "ledger_redis_p99_seconds",
+            "p99 latency of Redis calls over redis.slow_window (above redis.slow_threshold: mode degraded).",
+        );
+        let redis_bypass = int_counter_vec(
+            r,
+            "ledger_redis_bypass_total",
+            "Consumes decided without Redis: degraded_sample (the sample while degraded), down (breaker open), memory (fast type decided by this instance alone).",
+            &["reason"],
+        );
+        let resync_depth = int_gauge(
+            r,
+            "ledger_redis_resync_depth",
+            "Redis writes queued while it was down, replayed when it is back.",
+        );
+        let redis_pipeline_keys = histogram_vec(
+            r,
+            "ledger_redis_pipeline_keys",
+            "Keys sent with one Redis pipeline, by op: reconcile (a page's reads) or writeback (a batch's consumed write-backs); one per page or batch on a standalone Redis, one per primary and page or batch on a cluster; its _count is the pipelines sent.",
+            BATCH_BUCKETS,
+            &["op"],
+        );
+        let redis_key_rereads = int_counter_vec(
+            r,
+            "ledger_redis_key_rereads_total",
+            "Cluster: keys of a reconcile page read again alone, or write-backs of a batch sent again alone (op: reconcile, writeback), following redirects, instead of in their primary's pipeline, by reason: moved, ask, try_again (the pipeline met that reply in the key's slot), no_route (no known primary for the slot, or no connection to it).",
+            &["op", "reason"],
+        );
+        for res in ["hit", "miss", "error"] {
+            fast_tier_total.with_label_values(&[res]);
+        }
+        for res in ["degraded_sample", "down", "memory"] {
+            redis_bypass.with_label_values(&[res]);
+        }
+        for op in ["reconcile", "writeback"] {
+            redis_pipeline_keys.with_label_values(&[op]);
+            for res in ["moved", "ask", "try_again", "no_route"] {
+                redis_key_rereads.with_label_values(&[op, res]);
+            }
+        }
+        Tiers {
             tier_duration,
             mode,
-            bloom_fill_ratio,
-            bloom_fp_rate,
-            bloom_tokens,
-            bloom_synced,
-            bloom_checks,
-            rate_limited,
             fast_tier_total,
             redis_eviction_unsafe,
-            issue_buffer_depth,
             redis_p99,
             redis_bypass,
             resync_depth,
-            http_requests,
-            journal_dead_letters,
-            pg_batch_size,
-            pg_consume_queue,
-            pg_order_batch_size,
-            pg_order_queue,
-            journal_append_fallback,
             redis_pipeline_keys,
             redis_key_rereads,
+        }
+    }
+}
+
+/// The issued-token filter.
+struct Bloom {
+    fill_ratio: Gauge,
+    fp_rate: Gauge,
+    tokens: IntGauge,
+    synced: IntGauge,
+    checks: IntCounterVec,
+}
+
+impl Bloom {
+    fn register(r: &Registry) -> Bloom {
+        let fill_ratio = gauge(
+            r,
+            "ledger_bloom_fill_ratio",
+            "Fraction of bits set in the fullest live bloom filter (refreshed every 5 s).",
+        );
+        let fp_rate = gauge(
+            r,
+            "ledger_bloom_false_positive_rate",
+            "Estimated false-positive rate of the fullest bloom filter (fill ratio ^ hash functions): the share of forged tokens let through to the tiers.",
+        );
+        let tokens = int_gauge(
+            r,
+            "ledger_bloom_tokens",
+            "Token ids held by the bloom filter's live generations.",
+        );
+        let synced = int_gauge(
+            r,
+            "ledger_bloom_synced",
+            "1 while the bloom filter hears every issuance (listening and loaded); 0: unknown tokens go on to the tiers.",
+        );
+        let checks = int_counter_vec(
+            r,
+            "ledger_bloom_checks_total",
+            "Bloom filter checks of verified tokens by verdict: known, young (unknown but within the grace), uncovered (older than the horizon, or the filter not synced), rejected (never issued: 400 token_invalid without I/O).",
+            &["verdict"],
+        );
+        for v in ["known", "young", "uncovered", "unrecorded", "rejected"] {
+            checks.with_label_values(&[v]);
+        }
+        Bloom {
+            fill_ratio,
+            fp_rate,
+            tokens,
+            synced,
+            checks,
+        }
+    }
+}
+
+/// Group commit on Postgres: batch sizes and queues of consumes and order
+/// events.
+struct Batches {
+    consume_size: Histogram,
+    consume_queue: IntGauge,
+    order_size: Histogram,
+    order_queue: IntGauge,
+}
+
+impl Batches {
+    fn register(r: &Registry) -> Batches {
+        Batches {
+            consume_size: histogram(
+                r,
+                "ledger_pg_batch_size",
+                "Durable consumes decided by one Postgres statement (1: sent at once; more: collected while postgres.consume_batches_in_flight statements ran).",
+                BATCH_BUCKETS,
+            ),
+            consume_queue: int_gauge(
+                r,
+                "ledger_pg_consume_queue",
+                "Durable consumes waiting for the next batch statement.",
+            ),
+            order_size: histogram(
+                r,
+                "ledger_pg_order_batch_size",
+                "Order events (on distinct orders) decided by one Postgres transaction (1: sent at once; more: collected while postgres.order_batches_in_flight transactions ran).",
+                BATCH_BUCKETS,
+            ),
+            order_queue: int_gauge(
+                r,
+                "ledger_pg_order_queue",
+                "Order events waiting for the next batch transaction.",
+            ),
+        }
+    }
+}
+
+/// Writes that lag the answer: issuance records and the fast types'
+/// journal.
+struct Lagging {
+    issue_buffer_depth: IntGauge,
+    journal_dead_letters: IntCounter,
+    journal_append_fallback: IntCounterVec,
+}
+
+impl Lagging {
+    fn register(r: &Registry) -> Lagging {
+        let issue_buffer_depth = int_gauge(
+            r,
+            "ledger_issue_buffer_depth",
+            "Issuance records waiting to be written to Postgres.",
+        );
+        let journal_dead_letters = int_counter(
+            r,
+            "ledger_journal_dead_letters_total",
+            "Fast-type journal entries that can never apply (unreadable, or refused by Postgres for what they hold), set aside in the stream <prefix>journal:dead.",
+        );
+        let journal_append_fallback = int_counter_vec(
+            r,
+            "ledger_journal_append_fallback_total",
+            "Cluster: fast-type journal entries whose XADD failed after the decision, by where they went: postgres (applied directly before the answer), memory (Postgres failed too: kept in this process until Redis answers), dropped (that backlog was full).",
+            &["to"],
+        );
+        for to in ["postgres", "memory", "dropped"] {
+            journal_append_fallback.with_label_values(&[to]);
+        }
+        Lagging {
+            issue_buffer_depth,
+            journal_dead_letters,
+            journal_append_fallback,
+        }
+    }
+}
+
+impl Metrics {
+    /// A fresh registry with every family of this struct (by group), the
+    /// build info and the process's own metrics. The families of other
+    /// components (the fleet, pool usage, journal lag, reconcile, ...) are
+    /// registered by their owners.
+    pub fn new() -> Metrics {
+        let registry = Registry::new();
+        register_process(&registry);
+        let payment = PaymentPath::register(&registry);
+        let tiers = Tiers::register(&registry);
+        let bloom = Bloom::register(&registry);
+        let batches = Batches::register(&registry);
+        let lagging = Lagging::register(&registry);
+        Metrics {
+            registry,
+            tokens_issued: payment.tokens_issued,
+            consume_total: payment.consume_total,
+            request_duration: payment.request_duration,
+            http_requests: payment.http_requests,
+            rate_limited: payment.rate_limited,
+            tier_duration: tiers.tier_duration,
+            mode: tiers.mode,
+            fast_tier_total: tiers.fast_tier_total,
+            redis_eviction_unsafe: tiers.redis_eviction_unsafe,
+            redis_p99: tiers.redis_p99,
+            redis_bypass: tiers.redis_bypass,
+            resync_depth: tiers.resync_depth,
+            redis_pipeline_keys: tiers.redis_pipeline_keys,
+            redis_key_rereads: tiers.redis_key_rereads,
+            bloom_fill_ratio: bloom.fill_ratio,
+            bloom_fp_rate: bloom.fp_rate,
+            bloom_tokens: bloom.tokens,
+            bloom_synced: bloom.synced,
+            bloom_checks: bloom.checks,
+            pg_batch_size: batches.consume_size,
+            pg_consume_queue: batches.consume_queue,
+            pg_order_batch_size: batches.order_size,
+            pg_order_queue: batches.order_queue,
+            issue_buffer_depth: lagging.issue_buffer_depth,
+            journal_dead_letters: lagging.journal_dead_letters,
+            journal_append_fallback: lagging.journal_append_fallback,
             pending: Mutex::new(HashMap::new()),
         }
     }

@@ -350,8 +350,19 @@ pub struct Orders {
 }
 
 impl Orders {
-    pub fn new(ledger: Arc<Ledger>, pools: Pools) -> Orders {
-        let events = Arc::new(EventBatcher::new(ledger.clone(), pools.clone()));
+    /// `clock` and `off_path`: the event batches' (see [`EventBatcher::new`]).
+    pub fn new(
+        ledger: Arc<Ledger>,
+        pools: Pools,
+        clock: Arc<dyn crate::clock::Clock>,
+        off_path: crate::tasks::OffPath,
+    ) -> Orders {
+        let events = Arc::new(EventBatcher::new(
+            ledger.clone(),
+            pools.clone(),
+            clock,
+            off_path,
+        ));
         Orders {
             ledger,
             pools,

@@ -313,7 +313,12 @@ impl Parts {
         let state = web::Data::new(AppState {
             ledger: self.ledger.clone(),
             fleet: self.fleet.clone(),
-            orders: Orders::new(self.ledger.clone(), self.pools.clone()),
+            orders: Orders::new(
+                self.ledger.clone(),
+                self.pools.clone(),
+                self.clock.clone(),
+                self.off_path.clone(),
+            ),
             admin: Admin::new(settings, self.pools.admin.clone()),
             reconciler: Reconciler::new(
                 settings,

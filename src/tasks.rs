@@ -1,8 +1,9 @@
 //! Who owns what runs in the background: [`Tasks`], the service's named
 //! background tasks, started together by [`crate::startup`] and stopped
 //! together at shutdown (bounded, naming any that did not stop), and
-//! [`OffPath`], the writes a request starts off its answer's path, which
-//! shutdown waits for (bounded) instead of dropping them.
+//! [`OffPath`], the work requests start on tasks of their own (the writes
+//! off an answer's path, the group-commit batches), which shutdown waits
+//! for (bounded) instead of dropping it.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -81,10 +82,12 @@ impl Drop for Tasks {
     }
 }
 
-/// The owner of the writes a request starts and does not wait for (Redis
-/// write-backs, a marker given back, a fleet notification): it counts them,
-/// and shutdown waits, bounded, until none runs. Spawning one costs what
-/// `tokio::spawn` does (the count lives in the task, no allocation).
+/// The owner of the work requests start on tasks of their own: the writes a
+/// request does not wait for (Redis write-backs, a marker given back, a
+/// fleet notification) and the group-commit batches requests wait on
+/// ([`crate::durable::group`]). It counts them, and shutdown waits, bounded,
+/// until none runs. Spawning one costs what `tokio::spawn` does (the count
+/// lives in the task, no allocation).
 #[derive(Debug, Clone, Default)]
 pub struct OffPath(Arc<Running>);
 
@@ -112,7 +115,7 @@ impl OffPath {
         OffPath::default()
     }
 
-    /// Runs `work` off the answer's path.
+    /// Runs `work` on a task of its own, counted.
     pub fn spawn<F>(&self, work: F)
     where
         F: Future<Output = ()> + Send + 'static,

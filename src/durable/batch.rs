@@ -40,8 +40,10 @@ use sqlx::{PgPool, Row};
 use super::group::{GroupCommit, Limits, Slot, Turn, Work};
 use super::tokens::{self, ConsumeRow, TokenRecord, TokenState};
 use super::{DurableError, Pools};
+use crate::clock::Clock;
 use crate::config::PostgresSettings;
 use crate::metrics::Metrics;
+use crate::tasks::OffPath;
 
 type Answer = Result<(ConsumeRow, i64), DurableError>;
 
@@ -66,7 +68,14 @@ struct Consumes {
 }
 
 impl ConsumeBatcher {
-    pub fn new(pools: Pools, metrics: Arc<Metrics>, settings: &PostgresSettings) -> ConsumeBatcher {
+    /// `clock` times the queue bound; the batches run on `off_path`.
+    pub fn new(
+        pools: Pools,
+        metrics: Arc<Metrics>,
+        settings: &PostgresSettings,
+        clock: Arc<dyn Clock>,
+        off_path: OffPath,
+    ) -> ConsumeBatcher {
         let limits = Limits::for_pool(
             settings.consume_batch_size,
             settings.consume_batches_in_flight,
@@ -80,6 +89,8 @@ impl ConsumeBatcher {
                 limits,
                 metrics.pg_consume_queue.clone(),
                 metrics.pg_batch_size.clone(),
+                clock,
+                off_path,
             ),
         }
     }

@@ -20,9 +20,11 @@
 //! - **Fair.** A batch takes the items that may go in arrival order; no
 //!   item that may go is passed over for a later one.
 //! - **Bounded.** At most `size` items in a batch and `slots` batches at
-//!   once; an item that waited longer than `queue_bound` is answered
-//!   [`Work::waited_too_long`] without being sent, and an item whose caller
-//!   is gone is dropped unsent.
+//!   once; an item that waited longer than `queue_bound` (on the service
+//!   clock's monotonic reading) is answered [`Work::waited_too_long`]
+//!   without being sent, and an item whose caller is gone is dropped unsent.
+//! - **Owned.** A batch runs on a task of the service's [`OffPath`], which
+//!   shutdown waits for (bounded), not on a detached one.
 //! - **Released however it ends.** A running batch (or lone item) holds a
 //!   [`Slot`]; dropping it (done, failed, or the caller gone) frees the slot
 //!   and the keys and starts the batches they allow.
@@ -40,6 +42,9 @@ use std::time::{Duration, Instant};
 
 use prometheus::{Histogram, IntGauge};
 use tokio::sync::oneshot;
+
+use crate::clock::Clock;
+use crate::tasks::OffPath;
 
 /// What a [`GroupCommit`] queues and how a batch of it is decided.
 pub trait Work: Send + Sync + Sized + 'static {
@@ -144,6 +149,10 @@ struct Shared<W: Work> {
     queued: IntGauge,
     /// Items per batch (1 for an item run at once).
     sizes: Histogram,
+    /// Whose monotonic reading times the queue bound.
+    clock: Arc<dyn Clock>,
+    /// Where the batches run.
+    owner: OffPath,
     state: Mutex<State<W>>,
 }
 
@@ -159,12 +168,22 @@ struct State<W: Work> {
 
 struct Waiting<W: Work> {
     item: W::Item,
+    /// When it was queued (the clock's monotonic reading).
     since: Instant,
     reply: oneshot::Sender<W::Answer>,
 }
 
 impl<W: Work> GroupCommit<W> {
-    pub fn new(work: W, limits: Limits, queued: IntGauge, sizes: Histogram) -> GroupCommit<W> {
+    /// `clock` times the queue bound; `owner` runs the batches (shutdown
+    /// waits for it).
+    pub fn new(
+        work: W,
+        limits: Limits,
+        queued: IntGauge,
+        sizes: Histogram,
+        clock: Arc<dyn Clock>,
+        owner: OffPath,
+    ) -> GroupCommit<W> {
         let size = limits.size.max(1);
         let limits = Limits {
             size,
@@ -178,6 +197,8 @@ impl<W: Work> GroupCommit<W> {
                 limits,
                 queued,
                 sizes,
+                clock,
+                owner,
                 state: Mutex::new(State {
                     running: 0,
                     busy: HashSet::new(),
@@ -210,7 +231,7 @@ impl<W: Work> GroupCommit<W> {
         let (reply, answer) = oneshot::channel();
         s.queue.push_back(Waiting {
             item: item(),
-            since: Instant::now(),
+            since: shared.clock.monotonic(),
             reply,
         });
         if s.running < shared.limits.slots && s.queue.len() >= shared.limits.fill {
@@ -243,11 +264,11 @@ impl<W: Work> Shared<W> {
             if batch.is_empty() {
                 break;
             }
-            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            if tokio::runtime::Handle::try_current().is_err() {
                 // No runtime to run it on (the service is stopping): the
                 // items are dropped, and their callers answer 503.
                 continue;
-            };
+            }
             batch.sort_by(|a, b| W::batch_order(&a.item, &b.item));
             let keys: Vec<W::Keys> = batch.iter().map(|w| W::keys(&w.item)).collect();
             s.running += 1;
@@ -258,7 +279,7 @@ impl<W: Work> Shared<W> {
                 shared: self.clone(),
                 keys,
             };
-            runtime.spawn(Shared::run(self.clone(), batch, slot));
+            self.owner.spawn(Shared::run(self.clone(), batch, slot));
         }
         self.queued.set(s.queue.len() as i64);
     }
@@ -271,7 +292,8 @@ impl<W: Work> Shared<W> {
             if w.reply.is_closed() {
                 continue;
             }
-            if w.since.elapsed() > self.limits.queue_bound {
+            let waited = self.clock.monotonic().saturating_duration_since(w.since);
+            if waited > self.limits.queue_bound {
                 let _ = w.reply.send(W::waited_too_long());
                 continue;
             }
@@ -354,6 +376,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::{assemble, GroupCommit, Limits, Slot, Turn, Work};
+    use crate::clock::{ManualClock, SystemClock};
+    use crate::tasks::OffPath;
     use proptest::prelude::*;
     use std::collections::{HashSet, VecDeque};
     use std::sync::{Arc, Mutex};
@@ -425,6 +449,8 @@ mod tests {
             prometheus::IntGauge::new("q", "q").expect("gauge"),
             prometheus::Histogram::with_opts(prometheus::HistogramOpts::new("s", "s"))
                 .expect("histogram"),
+            Arc::new(SystemClock),
+            OffPath::new(),
         );
         let Turn::Now(alone) = q.enter([0], || 0) else {
             panic!("an idle queue runs the first item at once");
@@ -462,6 +488,54 @@ mod tests {
         }
         assert_eq!(fifth.await.expect("answered"), 5);
         started(&sizes, &[4, 1]).await;
+    }
+
+    /// An item that waited past the queue bound (on the clock) is answered
+    /// without being sent; the batch runs on the owner shutdown waits for.
+    #[tokio::test]
+    async fn an_item_past_the_queue_bound_is_not_sent_and_batches_are_owned() {
+        let clock = ManualClock::new(0);
+        let owner = OffPath::new();
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let (open, rx) = tokio::sync::watch::channel(false);
+        let q = GroupCommit::new(
+            Held {
+                sizes: sizes.clone(),
+                open: rx,
+            },
+            Limits {
+                size: 8,
+                slots: 1,
+                fill: 1,
+                queue_bound: Duration::from_secs(1),
+            },
+            prometheus::IntGauge::new("q", "q").expect("gauge"),
+            prometheus::Histogram::with_opts(prometheus::HistogramOpts::new("s", "s"))
+                .expect("histogram"),
+            Arc::new(clock.clone()),
+            owner.clone(),
+        );
+        let Turn::Now(alone) = q.enter([0], || 0) else {
+            panic!("an idle queue runs the first item at once");
+        };
+        let Turn::Queued(late) = q.enter([1], || 1) else {
+            panic!("1 ran with the only slot busy");
+        };
+        // Wall time alone moves nothing.
+        clock.advance_ms(60_000);
+        clock.advance_monotonic(Duration::from_millis(1001));
+        let Turn::Queued(fresh) = q.enter([2], || 2) else {
+            panic!("2 ran with the only slot busy");
+        };
+        assert_eq!(owner.len(), 0, "no batch yet");
+        drop(alone);
+        assert_eq!(late.await.expect("answered"), u32::MAX, "waited too long");
+        started(&sizes, &[1]).await;
+        assert_eq!(owner.len(), 1, "the batch runs on the owner");
+        open.send_replace(true);
+        assert_eq!(fresh.await.expect("answered"), 2);
+        owner.drain(Duration::from_secs(5)).await;
+        assert!(owner.is_empty());
     }
 
     proptest! {

@@ -7,7 +7,9 @@
 //! latencies makes the rest of the mode: `degraded` while the p99 over
 //! `redis.slow_window` is above `redis.slow_threshold`, else `normal`. Every
 //! mode change is logged once and exported as `ledger_mode{mode}`; whether
-//! the fleet agrees is [`crate::fleet`]'s.
+//! the fleet agrees is [`crate::fleet`]'s. Every duration here (the
+//! window, `redis.down_after`, the backoff) is measured on the service
+//! clock's monotonic reading ([`Clock::monotonic`]), so tests drive them.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU8, Ordering};
@@ -76,17 +78,21 @@ pub struct Health {
     down: AtomicBool,
     /// Consecutive calls that did not reach Redis, since the last success.
     unreached: AtomicU32,
-    /// Ms (of `clock`) of the first failure since the last success; 0: none.
+    /// When the first failure since the last success came ([`Health::mono_ms`]);
+    /// 0: none.
     failing_since_ms: AtomicI64,
     down_after_failures: u32,
     down_after_ms: i64,
     /// Woken on every change of `down` (the fleet reports at once; one
     /// listener).
     changed: Arc<tokio::sync::Notify>,
-    /// Ms (of `clock`) until which calls are skipped without trying.
+    /// Until when calls are skipped without trying ([`Health::mono_ms`]).
     down_until_ms: AtomicI64,
     /// The mode last logged and exported (`Mode::code`).
     reported: AtomicU8,
+    /// The clock's monotonic reading when this was made: `mono_ms` counts
+    /// from it.
+    base: Instant,
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
 }
@@ -125,9 +131,19 @@ impl Health {
             changed: Arc::new(tokio::sync::Notify::new()),
             down_until_ms: AtomicI64::new(0),
             reported: AtomicU8::new(Mode::Normal.code()),
+            base: clock.monotonic(),
             clock,
             metrics,
         }
+    }
+
+    /// Now on the clock's monotonic reading: ms since `base`, plus one (so
+    /// that 0 stays free to mean "none").
+    fn mono_ms(&self) -> i64 {
+        let since = self.clock.monotonic().saturating_duration_since(self.base);
+        i64::try_from(since.as_millis())
+            .unwrap_or(i64::MAX - 1)
+            .saturating_add(1)
     }
 
     pub fn mode(&self) -> Mode {
@@ -147,7 +163,7 @@ impl Health {
     /// Whether calls are skipped right now (the breaker is open and its
     /// backoff has not passed).
     pub fn skipping(&self) -> bool {
-        self.down_until_ms.load(Ordering::Relaxed) > self.clock.now_ms()
+        self.down_until_ms.load(Ordering::Relaxed) > self.mono_ms()
     }
 
     /// Lets the next call through although the backoff has not passed (the
@@ -167,7 +183,7 @@ impl Health {
     /// `redis.down_backoff`) once the evidence is in, and a failed probe
     /// keeps it open.
     pub fn failed(&self, kind: Failure) -> bool {
-        let now = self.clock.now_ms();
+        let now = self.mono_ms();
         let _ =
             self.failing_since_ms
                 .compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed);
@@ -188,7 +204,7 @@ impl Health {
     fn trip(&self) {
         let backoff = i64::try_from(self.backoff.as_millis()).unwrap_or(1000);
         self.down_until_ms
-            .store(self.clock.now_ms() + backoff, Ordering::Relaxed);
+            .store(self.mono_ms().saturating_add(backoff), Ordering::Relaxed);
         if !self.down.swap(true, Ordering::Relaxed) {
             self.changed.notify_one();
         }
@@ -212,7 +228,7 @@ impl Health {
 
     /// Records one call's latency (answered, or timed out).
     pub fn record(&self, took: Duration) {
-        let now = Instant::now();
+        let now = self.clock.monotonic();
         let mut s = self.samples.lock().unwrap_or_else(|p| p.into_inner());
         if s.len() >= MAX_SAMPLES {
             s.pop_front();
@@ -222,12 +238,12 @@ impl Health {
 
     /// The p99 of the calls in the window; `None` without calls.
     pub fn p99(&self) -> Option<Duration> {
-        let now = Instant::now();
+        let now = self.clock.monotonic();
         let mut latencies: Vec<Duration> = {
             let mut s = self.samples.lock().unwrap_or_else(|p| p.into_inner());
             while s
                 .front()
-                .is_some_and(|(at, _)| now.duration_since(*at) > self.window)
+                .is_some_and(|(at, _)| now.saturating_duration_since(*at) > self.window)
             {
                 s.pop_front();
             }
@@ -282,15 +298,59 @@ impl Health {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::ManualClock;
     use crate::config::Settings;
 
     fn health(extra: &str) -> Health {
+        health_on(extra, Arc::new(crate::clock::SystemClock))
+    }
+
+    fn health_on(extra: &str, clock: Arc<dyn Clock>) -> Health {
         let s = Settings::from_toml_over_defaults(extra).expect("valid");
-        Health::new(
-            &s.redis,
-            Arc::new(Metrics::new()),
-            Arc::new(crate::clock::SystemClock),
-        )
+        Health::new(&s.redis, Arc::new(Metrics::new()), clock)
+    }
+
+    #[test]
+    fn the_window_forgets_samples_older_than_slow_window() {
+        let clock = ManualClock::new(0);
+        let h = health_on(
+            "[redis]\nslow_threshold = \"100ms\"\nslow_window = \"1s\"",
+            Arc::new(clock.clone()),
+        );
+        h.record(Duration::from_millis(150));
+        assert_eq!(h.evaluate(), Mode::Degraded);
+        clock.advance_monotonic(Duration::from_millis(1000));
+        assert_eq!(
+            h.p99(),
+            Some(Duration::from_millis(150)),
+            "still in the window"
+        );
+        // Wall time alone moves nothing.
+        clock.advance_ms(60_000);
+        assert_eq!(h.p99(), Some(Duration::from_millis(150)));
+        clock.advance_monotonic(Duration::from_millis(1));
+        assert_eq!(h.p99(), None, "older than the window");
+        assert_eq!(h.evaluate(), Mode::Normal);
+    }
+
+    #[test]
+    fn down_after_and_the_backoff_follow_the_clock() {
+        let clock = ManualClock::new(0);
+        let h = health_on(
+            "[redis]\ndown_after_failures = 100\ndown_after = \"50ms\"\ndown_backoff = \"1s\"",
+            Arc::new(clock.clone()),
+        );
+        assert!(!h.failed(Failure::TimedOut));
+        clock.advance_monotonic(Duration::from_millis(49));
+        assert!(!h.failed(Failure::TimedOut), "not for down_after yet");
+        clock.advance_monotonic(Duration::from_millis(1));
+        assert!(h.failed(Failure::TimedOut), "failing for down_after");
+        assert!(h.skipping());
+        clock.advance_monotonic(Duration::from_millis(999));
+        assert!(h.skipping(), "within the backoff");
+        clock.advance_monotonic(Duration::from_millis(1));
+        assert!(!h.skipping(), "the backoff has passed: a probe may go");
+        assert_eq!(h.mode(), Mode::RedisDown, "down until a call succeeds");
     }
 
     #[test]

@@ -77,7 +77,13 @@ impl Ledger {
         issuer: Issuer,
         catch_up: CatchUp,
     ) -> Ledger {
-        let batcher = ConsumeBatcher::new(pools.clone(), metrics.clone(), &settings.postgres);
+        let batcher = ConsumeBatcher::new(
+            pools.clone(),
+            metrics.clone(),
+            &settings.postgres,
+            clock.clone(),
+            off_path.clone(),
+        );
         Ledger {
             changes,
             batcher,

@@ -49,11 +49,13 @@ use super::{
     answer, judge, settle, Applied, Event, EventInput, Judged, Next, Order, OrderError, Outcome,
 };
 use crate::auth::Client;
+use crate::clock::Clock;
 use crate::durable::group::{GroupCommit, Limits, Slot, Turn, Work};
 use crate::durable::orders::{self as sql, LockItem, OrderChange};
 use crate::durable::tokens::TokenRecord;
 use crate::durable::{timed, DurableError, Pools};
 use crate::ledger::{Ledger, OrderToken};
+use crate::tasks::OffPath;
 use crate::token::VerifiedToken;
 
 type Answer = Result<(Applied, Order), OrderError>;
@@ -105,7 +107,13 @@ fn keys(order_id: &str, token: &OrderToken) -> [Key; 2] {
 }
 
 impl EventBatcher {
-    pub fn new(ledger: Arc<Ledger>, pools: Pools) -> EventBatcher {
+    /// `clock` times the queue bound; the batches run on `off_path`.
+    pub fn new(
+        ledger: Arc<Ledger>,
+        pools: Pools,
+        clock: Arc<dyn Clock>,
+        off_path: OffPath,
+    ) -> EventBatcher {
         let settings = ledger.postgres_settings();
         let limits = Limits::for_pool(
             settings.order_batch_size,
@@ -121,7 +129,14 @@ impl EventBatcher {
             metrics.pg_order_batch_size.clone(),
         );
         EventBatcher {
-            queue: GroupCommit::new(Events { ledger, pools }, limits, queued, sizes),
+            queue: GroupCommit::new(
+                Events { ledger, pools },
+                limits,
+                queued,
+                sizes,
+                clock,
+                off_path,
+            ),
         }
     }
 
