@@ -30,7 +30,7 @@
 //!   `route`.
 //! - [`durable`]: Postgres: `pools`, `error`, and every SQL statement, one
 //!   file per table or job (`tokens`, `keys`, `orders`, `journal`, `fleet`,
-//!   `lease`, `leases`, `marks`, `bloom`, `admin`, `seal`, `reconcile`,
+//!   `lease`, `leases`, `marks`, `bloom`, `partitions`, `admin`, `seal`, `reconcile`,
 //!   `setup`, `usage`); `group`: the group-commit queue, `batch`: durable
 //!   consumes in batches.
 //!
