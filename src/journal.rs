@@ -85,7 +85,7 @@ where
         match apply_all(vec![item.clone()]).await {
             Ok(()) => {}
             Err(e) if refused_for_its_data(&e) => {
-                dead.push((*i, crate::reconcile::error_chain(&e)));
+                dead.push((*i, crate::telemetry::error_chain(&e)));
             }
             Err(e) => return Err(e),
         }
