@@ -7,9 +7,10 @@ use redis::aio::ConnectionLike;
 use redis::{ServerErrorKind, Value};
 
 use super::call::{evalsha, run_script, Lane};
+use super::record::OfConsume;
 use super::route::{At, Routed};
 use super::slots::Primary;
-use super::{FastError, FastTier, Marker};
+use super::{FastError, FastTier, Marker, Record};
 
 /// One token's consumed state, as Postgres decided it at generation `gen`,
 /// to be written back (see [`FastTier::write_consumed_many`]).
@@ -369,7 +370,7 @@ impl FastTier {
         handle: &str,
         encoded: String,
         of_request: Option<&str>,
-        journal: &[(&'static str, String)],
+        journal: &Record,
     ) -> Result<ResultWrite, FastError> {
         match self
             .write_script(handle, WriteOp::Result, encoded, of_request, journal)
@@ -392,7 +393,7 @@ impl FastTier {
         handle: &str,
         remaining_ms: i64,
         of_request: Option<&str>,
-        journal: &[(&'static str, String)],
+        journal: &Record,
     ) -> Result<ReleaseWrite, FastError> {
         let cool = self.settings.timeout.as_millis();
         let arg = format!("{remaining_ms}:{cool}");
@@ -409,7 +410,7 @@ impl FastTier {
         remaining_ms: i64,
         gen: i64,
         lease_ms: i64,
-        journal: &[(&'static str, String)],
+        journal: &Record,
     ) -> Result<ReleaseWrite, FastError> {
         let cool = self.settings.timeout.as_millis();
         let arg = format!("{remaining_ms}:{gen}:{lease_ms}:{cool}");
@@ -423,7 +424,7 @@ impl FastTier {
         op: WriteOp,
         arg: String,
         of_request: Option<&str>,
-        journal: &[(&'static str, String)],
+        journal: &Record,
     ) -> Result<ReleaseWrite, FastError> {
         match self
             .write_script(handle, op, arg, of_request, journal)
@@ -444,13 +445,13 @@ impl FastTier {
         op: WriteOp,
         arg: String,
         of_request: Option<&str>,
-        journal: &[(&'static str, String)],
+        journal: &Record,
     ) -> Result<Written, FastError> {
         let of_request = of_request.unwrap_or("");
         let (timeout, deadline) = (self.settings.timeout, &self.deadline);
         let (key, journal_key, arg) = (&self.token_key(token), &self.journal_key(), &arg);
         let script = &self.scripts.fast_write;
-        let append = self.journal_in_script() && !journal.is_empty();
+        let append = self.journal_in_script();
         let reply: Vec<String> = self
             .call("fast_write", |mut c| async move {
                 let mut inv = script.key(key);
@@ -463,8 +464,8 @@ impl FastTier {
                     .arg(of_request)
                     .arg(deadline.arg(timeout));
                 if append {
-                    for (k, v) in journal {
-                        inv.arg(*k).arg(v.as_str());
+                    for (k, v) in journal.pairs() {
+                        inv.arg(k).arg(v);
                     }
                 }
                 inv.invoke_async(&mut c).await
@@ -504,17 +505,14 @@ impl FastTier {
             Written::Result(ResultWrite::Recorded)
                 | Written::Release(ReleaseWrite::Released { .. })
         );
-        if !append && journaled && !journal.is_empty() {
+        if !append && journaled {
             // Cluster: what the script would have added to the entry.
-            use crate::journal::{AT, CONSUMED_AT, FINGERPRINT, GEN, REQUEST_ID};
-            let mut entry = journal.to_vec();
-            entry.push((GEN, field(2)));
-            entry.push((AT, field(3)));
-            if is_result {
-                entry.push((CONSUMED_AT, field(4)));
-                entry.push((REQUEST_ID, field(5)));
-                entry.push((FINGERPRINT, field(6)));
-            }
+            let of_consume = is_result.then(|| OfConsume {
+                consumed_at: field(4),
+                request_id: field(5),
+                fingerprint: field(6),
+            });
+            let entry = journal.clone().written(field(2), field(3), of_consume);
             self.append_or_queue(entry).await;
         }
         Ok(out)

@@ -47,7 +47,7 @@ pub(super) enum Resync {
     FastConsumed {
         token: String,
         marker: Marker,
-        journal: Vec<(&'static str, String)>,
+        journal: crate::fast::Record,
     },
 }
 
@@ -303,10 +303,10 @@ impl Ledger {
         &self,
         token: &str,
         marker: &Marker,
-        journal: &[(&'static str, String)],
+        journal: &crate::fast::Record,
     ) -> Result<(), crate::fast::FastError> {
         let attempt = Attempt {
-            owner: "",
+            owner: None,
             request_id: marker.request_id.as_deref(),
             fingerprint: marker.fingerprint.as_deref(),
         };
@@ -318,8 +318,7 @@ impl Ledger {
         match decision {
             Decision::Miss => {
                 self.fast.write_consumed(token, 1, marker).await?;
-                let mut entry = journal.to_vec();
-                entry.push((journal::AT, marker.at_ms.to_string()));
+                let entry = journal.clone().replayed_at(marker.at_ms);
                 self.fast.append_journal(&entry).await
             }
             Decision::Won { .. }
