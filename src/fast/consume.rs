@@ -2,6 +2,7 @@
 //! (the outcome, the key's generation, Redis's clock).
 
 use super::call::{evalsha, run_script, Lane};
+use super::write::Writeback;
 use super::{FastError, FastTier, Record};
 
 /// What the consume script found or did.
@@ -403,7 +404,7 @@ impl FastTier {
         owner: &str,
         remaining_ms: i64,
     ) -> Result<(), FastError> {
-        self.writeback(token, "unclaim", 0, remaining_ms, None, owner)
+        self.writeback(token, Writeback::Unclaim { owner }, 0, remaining_ms, None)
             .await
             .map(|_| ())
     }

@@ -68,6 +68,35 @@ impl WriteOp {
     }
 }
 
+/// The writes of `writeback.lua`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Writeback<'a> {
+    /// Postgres's consumed state.
+    Consumed,
+    /// Postgres's issued state.
+    Issued,
+    /// Our provisional marker goes back to issued, if `owner` still holds it.
+    Unclaim { owner: &'a str },
+}
+
+impl<'a> Writeback<'a> {
+    fn as_str(self) -> &'static str {
+        match self {
+            Writeback::Consumed => "consumed",
+            Writeback::Issued => "issued",
+            Writeback::Unclaim { .. } => "unclaim",
+        }
+    }
+
+    /// The owner the script compares (`''` for the writes that have none).
+    fn owner(self) -> &'a str {
+        match self {
+            Writeback::Unclaim { owner } => owner,
+            Writeback::Consumed | Writeback::Issued => "",
+        }
+    }
+}
+
 /// What `fast_write.lua` answered, whichever the write.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Written {
@@ -120,7 +149,7 @@ impl FastTier {
         marker: &Marker,
     ) -> Result<bool, FastError> {
         let life = self.consumed_ttl_ms();
-        self.writeback(token, "consumed", gen, life, Some(marker), "")
+        self.writeback(token, Writeback::Consumed, gen, life, Some(marker))
             .await
     }
 
@@ -138,7 +167,7 @@ impl FastTier {
         marker: &Marker,
     ) -> Result<bool, FastError> {
         let life = self.consumed_ttl_ms();
-        self.writeback_with(token, "consumed", gen, life, Some(marker), "", true)
+        self.writeback_with(token, Writeback::Consumed, gen, life, Some(marker), true)
             .await
     }
 
@@ -262,41 +291,38 @@ impl FastTier {
     fn consumed_cmd(&self, w: &ConsumedWrite, life: i64) -> redis::Cmd {
         self.writeback_cmd(
             &w.token,
-            "consumed",
+            Writeback::Consumed,
             w.gen,
             life,
             Some(&w.marker),
-            "",
             false,
         )
     }
 
     /// The one `writeback` command (its arguments as `writeback.lua` reads
-    /// them): `op` at generation `gen`, `ttl_ms` to live, the marker's
-    /// fields, the claim's `owner`, and `over` (see
+    /// them): `op` (and an unclaim's owner) at generation `gen`, `ttl_ms` to
+    /// live, the marker's fields, and `over` (see
     /// [`FastTier::write_consumed_over`]).
-    #[allow(clippy::too_many_arguments)]
     fn writeback_cmd(
         &self,
         token: &str,
-        op: &'static str,
+        op: Writeback<'_>,
         gen: i64,
         ttl_ms: i64,
         marker: Option<&Marker>,
-        owner: &str,
         over: bool,
     ) -> redis::Cmd {
         let field = |f: fn(&Marker) -> Option<&str>| marker.and_then(f).unwrap_or("");
         let mut cmd = evalsha(&self.scripts.writeback, 1);
         cmd.arg(self.token_key(token))
-            .arg(op)
+            .arg(op.as_str())
             .arg(gen)
             .arg(ttl_ms)
             .arg(marker.map_or(0, |m| m.at_ms))
             .arg(field(|m| m.request_id.as_deref()))
             .arg(field(|m| m.fingerprint.as_deref()))
             .arg(field(|m| m.result.as_deref()))
-            .arg(owner)
+            .arg(op.owner())
             .arg(if over { "1" } else { "0" });
         cmd
     }
@@ -310,38 +336,35 @@ impl FastTier {
         gen: i64,
         remaining_ms: i64,
     ) -> Result<bool, FastError> {
-        self.writeback(token, "issued", gen, remaining_ms, None, "")
+        self.writeback(token, Writeback::Issued, gen, remaining_ms, None)
             .await
     }
 
     pub(super) async fn writeback(
         &self,
         token: &str,
-        op: &'static str,
+        op: Writeback<'_>,
         gen: i64,
         ttl_ms: i64,
         marker: Option<&Marker>,
-        owner: &str,
     ) -> Result<bool, FastError> {
-        self.writeback_with(token, op, gen, ttl_ms, marker, owner, false)
+        self.writeback_with(token, op, gen, ttl_ms, marker, false)
             .await
     }
 
     /// `over`: a consumed state replaces the same generation's marker (see
     /// [`FastTier::write_consumed_over`]).
-    #[allow(clippy::too_many_arguments)]
     async fn writeback_with(
         &self,
         token: &str,
-        op: &'static str,
+        op: Writeback<'_>,
         gen: i64,
         ttl_ms: i64,
         marker: Option<&Marker>,
-        owner: &str,
         over: bool,
     ) -> Result<bool, FastError> {
         let script = &self.scripts.writeback;
-        let cmd = &self.writeback_cmd(token, op, gen, ttl_ms, marker, owner, over);
+        let cmd = &self.writeback_cmd(token, op, gen, ttl_ms, marker, over);
         // Versioned, so safe to send again (see `connect`).
         self.call_idempotent(Lane::Background, "writeback", |mut c| async move {
             run_script::<i64>(script, cmd, &mut c).await.map(|n| n == 1)
