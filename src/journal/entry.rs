@@ -15,7 +15,7 @@ use crate::fast::record::{
 };
 use crate::fast::JournalEntry;
 
-/// The fields of an entry: the ledger's part, and a client key's text.
+/// The record of an entry of `op`: the ledger's part, and a client key's text.
 fn fields_of(op: Op, rec: &TokenRecord, packed: String) -> Record {
     Record::new(op, packed, rec.key.clone())
 }
@@ -26,7 +26,7 @@ pub fn decided(fields: Record, gen: i64, at_ms: i64) -> Stamped {
     fields.decided(gen, at_ms)
 }
 
-/// The journal fields of a fast-type consume.
+/// The journal record of a fast-type consume.
 pub fn consume_fields(
     rec: &TokenRecord,
     request_id: Option<&str>,
@@ -47,7 +47,7 @@ pub fn consume_fields(
     fields_of(Op::Consume, rec, pack(&entry))
 }
 
-/// The journal fields of a fast-type result, in the layout without a token
+/// The journal record of a fast-type result, in the layout without a token
 /// record (see [`result_fields_for`]).
 pub fn result_fields(id: i64, result: &str) -> Record {
     // `result` is the JSON text as stored, carried as a string.
@@ -55,13 +55,13 @@ pub fn result_fields(id: i64, result: &str) -> Record {
     Record::new(Op::Result, packed, None)
 }
 
-/// The journal fields of a fast-type release, in the layout without a token
+/// The journal record of a fast-type release, in the layout without a token
 /// record (see [`release_fields_for`]).
 pub fn release_fields(id: i64) -> Record {
     Record::new(Op::Release, pack(&(Op::Release.as_str(), id)), None)
 }
 
-/// The journal fields of a fast-type result, with the token record (so that
+/// The journal record of a fast-type result, with the token record (so that
 /// it applies even before its consume entry has).
 pub fn result_fields_for(rec: &TokenRecord, result: &str) -> Record {
     let entry = (
@@ -78,7 +78,7 @@ pub fn result_fields_for(rec: &TokenRecord, result: &str) -> Record {
     fields_of(Op::Result, rec, pack(&entry))
 }
 
-/// The journal fields of a fast-type release, with the token record.
+/// The journal record of a fast-type release, with the token record.
 pub fn release_fields_for(rec: &TokenRecord) -> Record {
     let entry = (
         Op::Release.as_str(),
@@ -93,7 +93,7 @@ pub fn release_fields_for(rec: &TokenRecord) -> Record {
     fields_of(Op::Release, rec, pack(&entry))
 }
 
-/// The journal fields of a fast-type release by an operator: the release's
+/// The journal record of a fast-type release by an operator: the release's
 /// with who (the acting client's name) and why, which its audit row's detail
 /// records.
 pub fn admin_release_fields_for(rec: &TokenRecord, by: &str, reason: &str) -> Record {
