@@ -75,8 +75,8 @@ use crate::durable::DurableError;
 use crate::fast::{FastError, FastTier, JournalEntry, Marker};
 use crate::metrics::Metrics;
 
-/// A journal entry's fields.
-type Fields = Vec<(&'static str, String)>;
+/// A journal entry as its script completed it.
+type Fields = crate::fast::Stamped;
 
 /// At most this many fast consumes Redis decided are kept for the
 /// going-down flush; with that many not yet known to be in Postgres, Redis
@@ -574,13 +574,7 @@ impl Fleet {
             recent
                 .iter()
                 .enumerate()
-                .map(|(i, (_, fields))| JournalEntry {
-                    id: format!("recent-{i}"),
-                    fields: fields
-                        .iter()
-                        .map(|(k, v)| ((*k).to_owned(), v.clone().into_bytes()))
-                        .collect(),
-                })
+                .map(|(i, (_, fields))| fields.entry(format!("recent-{i}")))
                 .collect()
         };
         if entries.is_empty() {

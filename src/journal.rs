@@ -1,7 +1,9 @@
 //! The fast-type journal: what Redis decided for fast biz types (consume,
 //! result, release) reaches Postgres through a Redis stream read by a consumer
 //! group ([`Drainer`]; the stream commands are the fast tier's, in
-//! `fast/journal.rs`; the entries' layout is [`entry`]'s). An entry is
+//! `fast/journal.rs`, and so are the stream's field names and the encoding
+//! of an entry, in `fast/record.rs`; what the ledger packs into an entry and
+//! how the drainer reads it back are [`entry`]'s). An entry is
 //! acknowledged only after Postgres has it: after a failed round (Postgres
 //! down) this consumer re-reads its own pending entries first; entries left
 //! pending by a dead instance are claimed after 30 s.
@@ -31,11 +33,11 @@ use crate::durable::DurableError;
 use crate::fast::{FastError, FastTier, JournalEntry, ReadFrom};
 use entry::{parse, Entry};
 
+pub use crate::fast::record::{AT, BY, CONSUMED_AT, ENTRY, FINGERPRINT, GEN, REASON, REQUEST_ID};
 use crate::metrics::OnScrape;
 pub use entry::{
     admin_release_fields_for, consume_fields, decided, release_fields, release_fields_for,
-    result_fields, result_fields_for, AT, BY, CONSUMED_AT, ENTRY, FINGERPRINT, GEN, REASON,
-    REQUEST_ID,
+    result_fields, result_fields_for,
 };
 use prometheus::IntGauge;
 
@@ -85,7 +87,7 @@ where
         match apply_all(vec![item.clone()]).await {
             Ok(()) => {}
             Err(e) if refused_for_its_data(&e) => {
-                dead.push((*i, crate::reconcile::error_chain(&e)));
+                dead.push((*i, crate::telemetry::error_chain(&e)));
             }
             Err(e) => return Err(e),
         }

@@ -26,7 +26,8 @@
 //! - [`fast`]: Redis and its Lua scripts (`lua/`): `conn`, `call`,
 //!   `deadline`, `breaker` (Redis's health and the mode: normal, degraded,
 //!   redis_down), `health`, `consume` (where a fast consume is decided, by
-//!   `lua/consume.lua`), `write`, `journal` (the stream), `scan`, `slots`,
+//!   `lua/consume.lua`), `write`, `record` (a journal entry, typed),
+//!   `journal` (the stream), `scan`, `slots`,
 //!   `route`.
 //! - [`durable`]: Postgres: `pools`, `error`, and every SQL statement, one
 //!   file per table or job (`tokens`, `keys`, `orders`, `journal`, `fleet`,

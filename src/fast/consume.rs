@@ -2,7 +2,8 @@
 //! (the outcome, the key's generation, Redis's clock).
 
 use super::call::{evalsha, run_script, Lane};
-use super::{FastError, FastTier};
+use super::write::Writeback;
+use super::{FastError, FastTier, Record};
 
 /// What the consume script found or did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -156,7 +157,9 @@ pub enum ConsumeMode {
 /// The arguments of one consume attempt.
 #[derive(Debug, Clone)]
 pub struct Attempt<'a> {
-    pub owner: &'a str,
+    /// Its provisional marker's owner; `None`: the script gets a fresh one
+    /// for this attempt alone (a fast consume's caller may not name one).
+    pub owner: Option<&'a str>,
     pub request_id: Option<&'a str>,
     pub fingerprint: Option<&'a str>,
 }
@@ -176,7 +179,7 @@ impl FastTier {
                 ConsumeMode::Durable,
                 attempt,
                 provisional_ms,
-                &[],
+                None,
                 KeyArgs::default(),
             )
             .await?;
@@ -190,7 +193,7 @@ impl FastTier {
         handle: &str,
         attempt: &Attempt<'_>,
         provisional_ms: i64,
-        journal: &[(&'static str, String)],
+        journal: &Record,
         key: KeyArgs<'_>,
     ) -> Result<(Decision, KeyVersion), FastError> {
         let (o, v) = self
@@ -199,7 +202,7 @@ impl FastTier {
                 ConsumeMode::Fast,
                 attempt,
                 provisional_ms,
-                journal,
+                Some(journal),
                 key,
             )
             .await?;
@@ -209,7 +212,7 @@ impl FastTier {
     /// What `handle`'s key holds, written nothing.
     pub async fn peek(&self, handle: &str) -> Result<(Peek, KeyVersion), FastError> {
         let attempt = Attempt {
-            owner: "",
+            owner: None,
             request_id: None,
             fingerprint: None,
         };
@@ -219,7 +222,7 @@ impl FastTier {
                 ConsumeMode::Peek,
                 &attempt,
                 0,
-                &[],
+                None,
                 KeyArgs::default(),
             )
             .await?;
@@ -228,15 +231,15 @@ impl FastTier {
 
     /// Runs the consume script in any mode and answers its raw outcome
     /// (the tests' and tools' view; the service uses [`Self::claim`],
-    /// [`Self::decide`] and [`Self::peek`]). `journal` holds the journal entry's fields
-    /// (fast mode on a standalone Redis).
+    /// [`Self::decide`] and [`Self::peek`]). `journal` is the journal entry
+    /// a fast win appends.
     pub async fn consume(
         &self,
         token: &str,
         mode: ConsumeMode,
         attempt: &Attempt<'_>,
         provisional_ms: i64,
-        journal: &[(&'static str, String)],
+        journal: Option<&Record>,
     ) -> Result<ScriptOutcome, FastError> {
         self.consume_versioned(token, mode, attempt, provisional_ms, journal)
             .await
@@ -251,7 +254,7 @@ impl FastTier {
         mode: ConsumeMode,
         attempt: &Attempt<'_>,
         provisional_ms: i64,
-        journal: &[(&'static str, String)],
+        journal: Option<&Record>,
     ) -> Result<(ScriptOutcome, KeyVersion), FastError> {
         self.consume_script(
             token,
@@ -272,7 +275,7 @@ impl FastTier {
         mode: ConsumeMode,
         attempt: &Attempt<'_>,
         provisional_ms: i64,
-        journal: &[(&'static str, String)],
+        journal: Option<&Record>,
         key: KeyArgs<'_>,
     ) -> Result<(ScriptOutcome, KeyVersion), FastError> {
         self.consume_script(handle, mode, attempt, provisional_ms, journal, key)
@@ -285,7 +288,7 @@ impl FastTier {
         mode: ConsumeMode,
         attempt: &Attempt<'_>,
         provisional_ms: i64,
-        journal: &[(&'static str, String)],
+        journal: Option<&Record>,
         key_args: KeyArgs<'_>,
     ) -> Result<(ScriptOutcome, KeyVersion), FastError> {
         let key = self.token_key(token);
@@ -296,16 +299,18 @@ impl FastTier {
             ConsumeMode::Fast => "fast",
             ConsumeMode::Peek => "peek",
         };
-        let append = mode == ConsumeMode::Fast && self.journal_in_script() && !journal.is_empty();
+        let journal = journal.filter(|_| mode == ConsumeMode::Fast);
+        let append = journal.is_some() && self.journal_in_script();
         let consumed_ttl = self.consumed_ttl_ms();
         // The script is idempotent per owner, so every attempt needs its own
         // (a fast consume's caller may not name one).
         let fresh_owner;
-        let owner = if attempt.owner.is_empty() {
-            fresh_owner = uuid::Uuid::new_v4().simple().to_string();
-            fresh_owner.as_str()
-        } else {
-            attempt.owner
+        let owner = match attempt.owner {
+            Some(owner) => owner,
+            None => {
+                fresh_owner = uuid::Uuid::new_v4().simple().to_string();
+                fresh_owner.as_str()
+            }
         };
         let (key, journal_key) = (&key, &journal_key);
         let create_at = key_args
@@ -337,9 +342,9 @@ impl FastTier {
                         .arg(if key_args.subject_checked { "1" } else { "0" })
                         // Set at each send: a resend gets its own deadline.
                         .arg(deadline.arg(timeout));
-                    if append {
-                        for (k, v) in journal {
-                            inv.arg(*k).arg(v.as_str());
+                    if let (true, Some(journal)) = (append, journal) {
+                        for (k, v) in journal.pairs() {
+                            inv.arg(k).arg(v);
                         }
                     }
                     run_script(script, &inv, &mut c).await
@@ -383,11 +388,9 @@ impl FastTier {
             }
         } else if let (ScriptOutcome::Won { at_ms }, ConsumeMode::Fast) = (&outcome, mode) {
             // Cluster: the journal stream is in another slot.
-            if !journal.is_empty() {
-                let mut entry: Vec<(&'static str, String)> = journal.to_vec();
-                entry.push((crate::journal::AT, at_ms.to_string()));
-                entry.push((crate::journal::GEN, version.gen.to_string()));
-                self.append_or_queue(entry).await;
+            if let Some(journal) = journal {
+                self.append_or_queue(journal.clone().decided(version.gen, *at_ms))
+                    .await;
             }
         }
         Ok((outcome, version))
@@ -401,7 +404,7 @@ impl FastTier {
         owner: &str,
         remaining_ms: i64,
     ) -> Result<(), FastError> {
-        self.writeback(token, "unclaim", 0, remaining_ms, None, owner)
+        self.writeback(token, Writeback::Unclaim { owner }, 0, remaining_ms, None)
             .await
             .map(|_| ())
     }

@@ -11,7 +11,7 @@ use std::time::Duration;
 use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
 use redis::Value;
 
-use super::{FastError, FastTier};
+use super::{FastError, FastTier, Stamped};
 
 /// The consumer group every instance (and reconcile) drains the stream in.
 pub const GROUP: &str = "ledger";
@@ -92,8 +92,9 @@ impl FastTier {
     }
 
     /// Appends one entry to the journal stream (cluster mode, or repairs).
-    pub async fn append_journal(&self, fields: &[(&str, String)]) -> Result<(), FastError> {
+    pub async fn append_journal(&self, entry: &Stamped) -> Result<(), FastError> {
         let key = &self.journal_key();
+        let fields = &entry.fields();
         self.call_background("journal", |mut c| async move {
             let mut cmd = redis::cmd("XADD");
             cmd.arg(key).arg("*");
@@ -120,18 +121,12 @@ impl FastTier {
     /// [`JOURNAL_FALLBACK_TIMEOUT`] does it wait in this process's backlog
     /// (`ledger_journal_append_fallback_total{to="memory"}`), lost if the
     /// process dies before Redis or Postgres answers.
-    pub(super) async fn append_or_queue(&self, entry: Vec<(&'static str, String)>) {
+    pub(super) async fn append_or_queue(&self, entry: Stamped) {
         let Err(e) = self.append_journal(&entry).await else {
             return;
         };
         if let Some(apply) = self.journal_fallback.get() {
-            let direct = JournalEntry {
-                id: "direct".to_owned(),
-                fields: entry
-                    .iter()
-                    .map(|(k, v)| ((*k).to_owned(), v.clone().into_bytes()))
-                    .collect(),
-            };
+            let direct = entry.entry("direct".to_owned());
             let applied = tokio::time::timeout(JOURNAL_FALLBACK_TIMEOUT, apply(direct))
                 .await
                 .unwrap_or(false);

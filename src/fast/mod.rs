@@ -24,10 +24,12 @@
 //! - `write`: the issue seed, write-backs of Postgres's decisions, result and
 //!   release of fast types;
 //! - `health`: the probe that closes the breaker, and the mode;
-//! - `journal`: the journal stream; `scan`: reading and repairing keys for
-//!   reconcile; `slots`: the cluster's slot map; `route`: one pipeline per
-//!   primary by that map (redirects met inside one sent again alone), by
-//!   which reconcile reads a page and write-backs go out.
+//! - `journal`: the journal stream; `record`: its entries' layout (field
+//!   names, the op, the one encoding into stream fields); `scan`: reading
+//!   and repairing keys for reconcile; `slots`: the cluster's slot map;
+//!   `route`: one pipeline per primary by that map (redirects met inside one
+//!   sent again alone), by which reconcile reads a page and write-backs go
+//!   out.
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
@@ -41,6 +43,7 @@ mod consume;
 mod deadline;
 mod health;
 mod journal;
+pub mod record;
 mod route;
 mod scan;
 mod slots;
@@ -50,6 +53,7 @@ pub use consume::{
     Attempt, Claim, ConsumeMode, Decision, KeyArgs, KeyVersion, Marker, Peek, ScriptOutcome,
 };
 pub use journal::{JournalEntry, ReadFrom, GROUP};
+pub use record::{Op, Record, Stamped};
 pub use scan::{KeyRead, KeyState, ScanNode};
 pub use write::{ConsumedWrite, ReleaseWrite, ResultWrite};
 
@@ -105,7 +109,7 @@ pub struct FastTier {
     /// ([`FastTier::set_journal_fallback`]). The decision stands (its caller
     /// is told the outcome); the entry is appended later
     /// ([`FastTier::flush_journal_backlog`]).
-    journal_backlog: std::sync::Mutex<std::collections::VecDeque<Vec<(&'static str, String)>>>,
+    journal_backlog: std::sync::Mutex<std::collections::VecDeque<Stamped>>,
     /// Cluster only: where an entry whose `XADD` failed goes before the
     /// answer (Postgres, through the drainer's apply; set at start).
     journal_fallback: std::sync::OnceLock<journal::JournalFallback>,

@@ -7,9 +7,10 @@ use redis::aio::ConnectionLike;
 use redis::{ServerErrorKind, Value};
 
 use super::call::{evalsha, run_script, Lane};
+use super::record::OfConsume;
 use super::route::{At, Routed};
 use super::slots::Primary;
-use super::{FastError, FastTier, Marker};
+use super::{FastError, FastTier, Marker, Record};
 
 /// One token's consumed state, as Postgres decided it at generation `gen`,
 /// to be written back (see [`FastTier::write_consumed_many`]).
@@ -67,6 +68,35 @@ impl WriteOp {
     }
 }
 
+/// The writes of `writeback.lua`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Writeback<'a> {
+    /// Postgres's consumed state.
+    Consumed,
+    /// Postgres's issued state.
+    Issued,
+    /// Our provisional marker goes back to issued, if `owner` still holds it.
+    Unclaim { owner: &'a str },
+}
+
+impl<'a> Writeback<'a> {
+    fn as_str(self) -> &'static str {
+        match self {
+            Writeback::Consumed => "consumed",
+            Writeback::Issued => "issued",
+            Writeback::Unclaim { .. } => "unclaim",
+        }
+    }
+
+    /// The owner the script compares (`''` for the writes that have none).
+    fn owner(self) -> &'a str {
+        match self {
+            Writeback::Unclaim { owner } => owner,
+            Writeback::Consumed | Writeback::Issued => "",
+        }
+    }
+}
+
 /// What `fast_write.lua` answered, whichever the write.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Written {
@@ -119,7 +149,7 @@ impl FastTier {
         marker: &Marker,
     ) -> Result<bool, FastError> {
         let life = self.consumed_ttl_ms();
-        self.writeback(token, "consumed", gen, life, Some(marker), "")
+        self.writeback(token, Writeback::Consumed, gen, life, Some(marker))
             .await
     }
 
@@ -137,7 +167,7 @@ impl FastTier {
         marker: &Marker,
     ) -> Result<bool, FastError> {
         let life = self.consumed_ttl_ms();
-        self.writeback_with(token, "consumed", gen, life, Some(marker), "", true)
+        self.writeback_with(token, Writeback::Consumed, gen, life, Some(marker), true)
             .await
     }
 
@@ -261,41 +291,38 @@ impl FastTier {
     fn consumed_cmd(&self, w: &ConsumedWrite, life: i64) -> redis::Cmd {
         self.writeback_cmd(
             &w.token,
-            "consumed",
+            Writeback::Consumed,
             w.gen,
             life,
             Some(&w.marker),
-            "",
             false,
         )
     }
 
     /// The one `writeback` command (its arguments as `writeback.lua` reads
-    /// them): `op` at generation `gen`, `ttl_ms` to live, the marker's
-    /// fields, the claim's `owner`, and `over` (see
+    /// them): `op` (and an unclaim's owner) at generation `gen`, `ttl_ms` to
+    /// live, the marker's fields, and `over` (see
     /// [`FastTier::write_consumed_over`]).
-    #[allow(clippy::too_many_arguments)]
     fn writeback_cmd(
         &self,
         token: &str,
-        op: &'static str,
+        op: Writeback<'_>,
         gen: i64,
         ttl_ms: i64,
         marker: Option<&Marker>,
-        owner: &str,
         over: bool,
     ) -> redis::Cmd {
         let field = |f: fn(&Marker) -> Option<&str>| marker.and_then(f).unwrap_or("");
         let mut cmd = evalsha(&self.scripts.writeback, 1);
         cmd.arg(self.token_key(token))
-            .arg(op)
+            .arg(op.as_str())
             .arg(gen)
             .arg(ttl_ms)
             .arg(marker.map_or(0, |m| m.at_ms))
             .arg(field(|m| m.request_id.as_deref()))
             .arg(field(|m| m.fingerprint.as_deref()))
             .arg(field(|m| m.result.as_deref()))
-            .arg(owner)
+            .arg(op.owner())
             .arg(if over { "1" } else { "0" });
         cmd
     }
@@ -309,38 +336,35 @@ impl FastTier {
         gen: i64,
         remaining_ms: i64,
     ) -> Result<bool, FastError> {
-        self.writeback(token, "issued", gen, remaining_ms, None, "")
+        self.writeback(token, Writeback::Issued, gen, remaining_ms, None)
             .await
     }
 
     pub(super) async fn writeback(
         &self,
         token: &str,
-        op: &'static str,
+        op: Writeback<'_>,
         gen: i64,
         ttl_ms: i64,
         marker: Option<&Marker>,
-        owner: &str,
     ) -> Result<bool, FastError> {
-        self.writeback_with(token, op, gen, ttl_ms, marker, owner, false)
+        self.writeback_with(token, op, gen, ttl_ms, marker, false)
             .await
     }
 
     /// `over`: a consumed state replaces the same generation's marker (see
     /// [`FastTier::write_consumed_over`]).
-    #[allow(clippy::too_many_arguments)]
     async fn writeback_with(
         &self,
         token: &str,
-        op: &'static str,
+        op: Writeback<'_>,
         gen: i64,
         ttl_ms: i64,
         marker: Option<&Marker>,
-        owner: &str,
         over: bool,
     ) -> Result<bool, FastError> {
         let script = &self.scripts.writeback;
-        let cmd = &self.writeback_cmd(token, op, gen, ttl_ms, marker, owner, over);
+        let cmd = &self.writeback_cmd(token, op, gen, ttl_ms, marker, over);
         // Versioned, so safe to send again (see `connect`).
         self.call_idempotent(Lane::Background, "writeback", |mut c| async move {
             run_script::<i64>(script, cmd, &mut c).await.map(|n| n == 1)
@@ -369,7 +393,7 @@ impl FastTier {
         handle: &str,
         encoded: String,
         of_request: Option<&str>,
-        journal: &[(&'static str, String)],
+        journal: &Record,
     ) -> Result<ResultWrite, FastError> {
         match self
             .write_script(handle, WriteOp::Result, encoded, of_request, journal)
@@ -392,7 +416,7 @@ impl FastTier {
         handle: &str,
         remaining_ms: i64,
         of_request: Option<&str>,
-        journal: &[(&'static str, String)],
+        journal: &Record,
     ) -> Result<ReleaseWrite, FastError> {
         let cool = self.settings.timeout.as_millis();
         let arg = format!("{remaining_ms}:{cool}");
@@ -409,7 +433,7 @@ impl FastTier {
         remaining_ms: i64,
         gen: i64,
         lease_ms: i64,
-        journal: &[(&'static str, String)],
+        journal: &Record,
     ) -> Result<ReleaseWrite, FastError> {
         let cool = self.settings.timeout.as_millis();
         let arg = format!("{remaining_ms}:{gen}:{lease_ms}:{cool}");
@@ -423,7 +447,7 @@ impl FastTier {
         op: WriteOp,
         arg: String,
         of_request: Option<&str>,
-        journal: &[(&'static str, String)],
+        journal: &Record,
     ) -> Result<ReleaseWrite, FastError> {
         match self
             .write_script(handle, op, arg, of_request, journal)
@@ -444,13 +468,13 @@ impl FastTier {
         op: WriteOp,
         arg: String,
         of_request: Option<&str>,
-        journal: &[(&'static str, String)],
+        journal: &Record,
     ) -> Result<Written, FastError> {
         let of_request = of_request.unwrap_or("");
         let (timeout, deadline) = (self.settings.timeout, &self.deadline);
         let (key, journal_key, arg) = (&self.token_key(token), &self.journal_key(), &arg);
         let script = &self.scripts.fast_write;
-        let append = self.journal_in_script() && !journal.is_empty();
+        let append = self.journal_in_script();
         let reply: Vec<String> = self
             .call("fast_write", |mut c| async move {
                 let mut inv = script.key(key);
@@ -463,8 +487,8 @@ impl FastTier {
                     .arg(of_request)
                     .arg(deadline.arg(timeout));
                 if append {
-                    for (k, v) in journal {
-                        inv.arg(*k).arg(v.as_str());
+                    for (k, v) in journal.pairs() {
+                        inv.arg(k).arg(v);
                     }
                 }
                 inv.invoke_async(&mut c).await
@@ -504,17 +528,14 @@ impl FastTier {
             Written::Result(ResultWrite::Recorded)
                 | Written::Release(ReleaseWrite::Released { .. })
         );
-        if !append && journaled && !journal.is_empty() {
+        if !append && journaled {
             // Cluster: what the script would have added to the entry.
-            use crate::journal::{AT, CONSUMED_AT, FINGERPRINT, GEN, REQUEST_ID};
-            let mut entry = journal.to_vec();
-            entry.push((GEN, field(2)));
-            entry.push((AT, field(3)));
-            if is_result {
-                entry.push((CONSUMED_AT, field(4)));
-                entry.push((REQUEST_ID, field(5)));
-                entry.push((FINGERPRINT, field(6)));
-            }
+            let of_consume = is_result.then(|| OfConsume {
+                consumed_at: field(4),
+                request_id: field(5),
+                fingerprint: field(6),
+            });
+            let entry = journal.clone().written(field(2), field(3), of_consume);
             self.append_or_queue(entry).await;
         }
         Ok(out)

@@ -1,6 +1,8 @@
-//! The layout of a journal entry: what the ledger writes ([`consume_fields`]
-//! and the others) and what the drainer reads back ([`parse`]), including the
-//! layouts written before generations and before 0.1.
+//! What a journal entry holds: the ledger's part the ledger writes
+//! ([`consume_fields`] and the others, packed into a [`Record`]) and what the
+//! drainer reads back ([`parse`]), including the layouts written before
+//! generations and before 0.1. The stream's field names and the encoding of
+//! a record into stream fields are the fast tier's ([`crate::fast::record`]).
 
 use chrono::{TimeZone, Utc};
 use serde_json::Value as Json;
@@ -8,68 +10,30 @@ use serde_json::Value as Json;
 use crate::config::Durability;
 use crate::durable::journal::{self as versioned, Decided, EntryKind, Versioned};
 use crate::durable::tokens::{JournalConsume, TokenRecord};
+use crate::fast::record::{
+    Op, Record, Stamped, AT, BY, CONSUMED_AT, ENTRY, FINGERPRINT, GEN, KEY, REASON, REQUEST_ID,
+};
 use crate::fast::JournalEntry;
 
-/// The field that holds what the ledger knows of an entry: one JSON array
-/// (`["consume", id, token, biz, subject, client, issued_at_ms,
-/// expires_at_ms, request_id, fingerprint]`, `["result", id,
-/// result_json_text, token, biz, subject, client, issued_at_ms,
-/// expires_at_ms]`, `["release", id, token, biz, subject, client,
-/// issued_at_ms, expires_at_ms]`). The script that decided adds what only it
-/// knows as fields of their own: `at` (when, ms), `g` (the generation it
-/// decided), and for a result the consumed state it belongs to (`cat`
-/// consumed at, `rid`, `fp`). One field for the ledger's part keeps both the
-/// script's `XADD` and the drainer's parsing of the stream reply cheap.
-///
-/// Older layouts are still read: `["result", id, result_json_text]` and
-/// `["release", id]` (no token record), entries without `g`, and one stream
-/// field per value (`op`, `id`, ...; written before 0.1).
-pub const ENTRY: &str = "e";
-
-/// The fields a script adds to an entry.
-pub const AT: &str = "at";
-pub const GEN: &str = "g";
-pub const CONSUMED_AT: &str = "cat";
-pub const REQUEST_ID: &str = "rid";
-pub const FINGERPRINT: &str = "fp";
-/// A client key's text (`/v1/keys`), in entries of keys only.
-pub const KEY: &str = "k";
-
-/// The fields of an entry: the ledger's part, and a client key's text.
-fn fields_of(rec: &TokenRecord, packed: String) -> Vec<(&'static str, String)> {
-    let mut fields = vec![(ENTRY, packed)];
-    if let Some(key) = &rec.key {
-        fields.push((KEY, key.clone()));
-    }
-    fields
+/// The record of an entry of `op`: the ledger's part, and a client key's text.
+fn fields_of(op: Op, rec: &TokenRecord, packed: String) -> Record {
+    Record::new(op, packed, rec.key.clone())
 }
-
-/// Fields of an operator's release or result (see [`admin_release_fields_for`]): who
-/// released it and why, for its audit row. Fields of their own, so that a
-/// drainer that does not know them still applies the release.
-pub const BY: &str = "by";
-pub const REASON: &str = "reason";
 
 /// A decision's entry as its script completed it: `fields`, with the
 /// generation it decided and the time (Redis's clock, ms) it decided it.
-pub fn decided(
-    mut fields: Vec<(&'static str, String)>,
-    gen: i64,
-    at_ms: i64,
-) -> Vec<(&'static str, String)> {
-    fields.push((AT, at_ms.to_string()));
-    fields.push((GEN, gen.to_string()));
-    fields
+pub fn decided(fields: Record, gen: i64, at_ms: i64) -> Stamped {
+    fields.decided(gen, at_ms)
 }
 
-/// The journal fields of a fast-type consume.
+/// The journal record of a fast-type consume.
 pub fn consume_fields(
     rec: &TokenRecord,
     request_id: Option<&str>,
     fingerprint: Option<&str>,
-) -> Vec<(&'static str, String)> {
+) -> Record {
     let entry = (
-        "consume",
+        Op::Consume.as_str(),
         rec.id,
         &rec.token,
         &rec.biz_type,
@@ -80,27 +44,28 @@ pub fn consume_fields(
         request_id.unwrap_or(""),
         fingerprint.unwrap_or(""),
     );
-    fields_of(rec, pack(&entry))
+    fields_of(Op::Consume, rec, pack(&entry))
 }
 
-/// The journal fields of a fast-type result, in the layout without a token
+/// The journal record of a fast-type result, in the layout without a token
 /// record (see [`result_fields_for`]).
-pub fn result_fields(id: i64, result: &str) -> Vec<(&'static str, String)> {
+pub fn result_fields(id: i64, result: &str) -> Record {
     // `result` is the JSON text as stored, carried as a string.
-    vec![(ENTRY, pack(&("result", id, result)))]
+    let packed = pack(&(Op::Result.as_str(), id, result));
+    Record::new(Op::Result, packed, None)
 }
 
-/// The journal fields of a fast-type release, in the layout without a token
+/// The journal record of a fast-type release, in the layout without a token
 /// record (see [`release_fields_for`]).
-pub fn release_fields(id: i64) -> Vec<(&'static str, String)> {
-    vec![(ENTRY, pack(&("release", id)))]
+pub fn release_fields(id: i64) -> Record {
+    Record::new(Op::Release, pack(&(Op::Release.as_str(), id)), None)
 }
 
-/// The journal fields of a fast-type result, with the token record (so that
+/// The journal record of a fast-type result, with the token record (so that
 /// it applies even before its consume entry has).
-pub fn result_fields_for(rec: &TokenRecord, result: &str) -> Vec<(&'static str, String)> {
+pub fn result_fields_for(rec: &TokenRecord, result: &str) -> Record {
     let entry = (
-        "result",
+        Op::Result.as_str(),
         rec.id,
         result,
         &rec.token,
@@ -110,13 +75,13 @@ pub fn result_fields_for(rec: &TokenRecord, result: &str) -> Vec<(&'static str, 
         rec.issued_at.timestamp_millis(),
         rec.expires_at.timestamp_millis(),
     );
-    fields_of(rec, pack(&entry))
+    fields_of(Op::Result, rec, pack(&entry))
 }
 
-/// The journal fields of a fast-type release, with the token record.
-pub fn release_fields_for(rec: &TokenRecord) -> Vec<(&'static str, String)> {
+/// The journal record of a fast-type release, with the token record.
+pub fn release_fields_for(rec: &TokenRecord) -> Record {
     let entry = (
-        "release",
+        Op::Release.as_str(),
         rec.id,
         &rec.token,
         &rec.biz_type,
@@ -125,20 +90,15 @@ pub fn release_fields_for(rec: &TokenRecord) -> Vec<(&'static str, String)> {
         rec.issued_at.timestamp_millis(),
         rec.expires_at.timestamp_millis(),
     );
-    fields_of(rec, pack(&entry))
+    fields_of(Op::Release, rec, pack(&entry))
 }
 
-/// The journal fields of a fast-type release by an operator: the release's
+/// The journal record of a fast-type release by an operator: the release's
 /// with who (the acting client's name) and why, which its audit row's detail
 /// records.
-pub fn admin_release_fields_for(
-    rec: &TokenRecord,
-    by: &str,
-    reason: &str,
-) -> Vec<(&'static str, String)> {
+pub fn admin_release_fields_for(rec: &TokenRecord, by: &str, reason: &str) -> Record {
     let mut fields = release_fields_for(rec);
-    fields.push((BY, by.to_owned()));
-    fields.push((REASON, reason.to_owned()));
+    fields.set_operator(by, reason);
     fields
 }
 
@@ -281,7 +241,7 @@ fn parse_packed(e: &JournalEntry, packed: &str) -> Entry {
     let at = ms_to_time(&field(e, AT));
     match serde_json::from_str::<Packed>(packed) {
         Ok(Packed::Consume((op, id, token, biz, subject, client, iat, exp, rid, fp)))
-            if op == "consume" =>
+            if op == Op::Consume.as_str() =>
         {
             let (Some(record), Some(at)) = (record(id, token, biz, subject, client, iat, exp), at)
             else {
@@ -314,7 +274,7 @@ fn parse_packed(e: &JournalEntry, packed: &str) -> Entry {
             }
         }
         Ok(Packed::ResultFor((op, id, text, token, biz, subject, client, iat, exp)))
-            if op == "result" =>
+            if op == Op::Result.as_str() =>
         {
             let Ok(result) = serde_json::from_str::<Json>(&text) else {
                 return Entry::Bad("result is not JSON");
@@ -350,7 +310,7 @@ fn parse_packed(e: &JournalEntry, packed: &str) -> Entry {
             }
         }
         Ok(Packed::ReleaseFor((op, id, token, biz, subject, client, iat, exp)))
-            if op == "release" =>
+            if op == Op::Release.as_str() =>
         {
             let (Some(record), Some(at)) = (record(id, token, biz, subject, client, iat, exp), at)
             else {
@@ -371,11 +331,13 @@ fn parse_packed(e: &JournalEntry, packed: &str) -> Entry {
                 Err(why) => Entry::Bad(why),
             }
         }
-        Ok(Packed::Result((op, id, text))) if op == "result" => match serde_json::from_str(&text) {
-            Ok(result) => Entry::Result { id, result },
-            Err(_) => Entry::Bad("result is not JSON"),
-        },
-        Ok(Packed::Release((op, id))) if op == "release" => Entry::Release { id },
+        Ok(Packed::Result((op, id, text))) if op == Op::Result.as_str() => {
+            match serde_json::from_str(&text) {
+                Ok(result) => Entry::Result { id, result },
+                Err(_) => Entry::Bad("result is not JSON"),
+            }
+        }
+        Ok(Packed::Release((op, id))) if op == Op::Release.as_str() => Entry::Release { id },
         _ => Entry::Bad("unreadable entry"),
     }
 }
@@ -383,8 +345,8 @@ fn parse_packed(e: &JournalEntry, packed: &str) -> Entry {
 /// The older layout: one stream field per value.
 fn parse_fields(e: &JournalEntry) -> Entry {
     let id: Option<i64> = field(e, "id").parse().ok();
-    match (field(e, "op").as_str(), id) {
-        ("consume", Some(id)) => {
+    match (Op::parse(&field(e, "op")), id) {
+        (Some(Op::Consume), Some(id)) => {
             let (Some(iat), Some(exp), Some(at)) = (
                 ms_to_time(&field(e, "iat")),
                 ms_to_time(&field(e, "exp")),
@@ -409,11 +371,11 @@ fn parse_fields(e: &JournalEntry) -> Entry {
                 request_id: opt(field(e, "rid")),
             })
         }
-        ("result", Some(id)) => match serde_json::from_str(&field(e, "res")) {
+        (Some(Op::Result), Some(id)) => match serde_json::from_str(&field(e, "res")) {
             Ok(result) => Entry::Result { id, result },
             Err(_) => Entry::Bad("result is not JSON"),
         },
-        ("release", Some(id)) => Entry::Release { id },
+        (Some(Op::Release), Some(id)) => Entry::Release { id },
         _ => Entry::Bad("unreadable entry"),
     }
 }
@@ -472,7 +434,7 @@ mod tests {
             let fp = fp.filter(|s| !s.is_empty());
             let rec = record(subject, client);
             let gen = 2 * half_gen + 1;
-            let fields = consume_fields(&rec, rid.as_deref(), fp.as_deref());
+            let fields = consume_fields(&rec, rid.as_deref(), fp.as_deref()).fields();
             prop_assert_eq!(fields.len(), 1);
             let e = entry_with(&fields, &[(AT, "1790000001000".into()), (GEN, gen.to_string())]);
             match parse(&e) {
@@ -502,7 +464,7 @@ mod tests {
             rid in proptest::option::of("[ -~]{1,30}"),
         ) {
             let rec = record(subject, "payments".into());
-            let fields = consume_fields(&rec, rid.as_deref(), None);
+            let fields = consume_fields(&rec, rid.as_deref(), None).fields();
             match parse(&entry(&fields, 1_790_000_001_000)) {
                 Entry::Consume(c) => {
                     prop_assert_eq!(&c.record, &rec);
@@ -526,7 +488,7 @@ mod tests {
             (REQUEST_ID, "r-1".to_owned()),
             (FINGERPRINT, "".to_owned()),
         ];
-        match parse(&entry_with(&result_fields_for(&rec, text), &added)) {
+        match parse(&entry_with(&result_fields_for(&rec, text).fields(), &added)) {
             Entry::Versioned(v) => {
                 assert_eq!(
                     (v.kind, v.version.gen, &v.record),
@@ -549,7 +511,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         let added = [(AT, "1790000003000".to_owned()), (GEN, "4".to_owned())];
-        match parse(&entry_with(&release_fields_for(&rec), &added)) {
+        match parse(&entry_with(&release_fields_for(&rec).fields(), &added)) {
             Entry::Versioned(v) => {
                 assert_eq!(v.kind, EntryKind::Release);
                 assert_eq!(
@@ -564,7 +526,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         // An operator's release says who and why.
-        let fields = admin_release_fields_for(&rec, "ops-alice", "consumer died; OPS-7");
+        let fields = admin_release_fields_for(&rec, "ops-alice", "consumer died; OPS-7").fields();
         match parse(&entry_with(&fields, &added)) {
             Entry::Versioned(v) => {
                 assert_eq!((v.kind, v.version.gen), (EntryKind::Release, 4));
@@ -578,7 +540,7 @@ mod tests {
         // A generation that contradicts the state can never apply.
         let odd = [(AT, "1790000003000".to_owned()), (GEN, "5".to_owned())];
         assert!(matches!(
-            parse(&entry_with(&release_fields_for(&rec), &odd)),
+            parse(&entry_with(&release_fields_for(&rec).fields(), &odd)),
             Entry::Bad(_)
         ));
     }
@@ -586,7 +548,7 @@ mod tests {
     #[test]
     fn the_layouts_without_generations_are_still_read() {
         let text = r#"{"order":"o-1"}"#;
-        match parse(&entry(&result_fields(42, text), 5)) {
+        match parse(&entry(&result_fields(42, text).fields(), 5)) {
             Entry::Result { id, result } => {
                 assert_eq!(id, 42);
                 assert_eq!(result, serde_json::from_str::<Json>(text).unwrap());
@@ -594,7 +556,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(matches!(
-            parse(&entry(&release_fields(43), 5)),
+            parse(&entry(&release_fields(43).fields(), 5)),
             Entry::Release { id: 43 }
         ));
         let fields: Vec<(&'static str, String)> = vec![
@@ -642,7 +604,7 @@ mod tests {
         let rec = record("u".into(), "c".into());
         for gen in ["x", "-1", "0", "2"] {
             let e = entry_with(
-                &consume_fields(&rec, None, None),
+                &consume_fields(&rec, None, None).fields(),
                 &[(AT, "1".into()), (GEN, gen.into())],
             );
             assert!(matches!(parse(&e), Entry::Bad(_)), "gen {gen}");

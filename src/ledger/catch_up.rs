@@ -15,7 +15,6 @@ use crate::clock::Clock;
 use crate::config::{RedisSettings, Settings};
 use crate::fast::breaker::Mode;
 use crate::fast::{Attempt, ConsumedWrite, Decision, FastTier, KeyArgs, Marker};
-use crate::journal;
 use crate::metrics::Metrics;
 use crate::tasks::OffPath;
 
@@ -174,10 +173,10 @@ impl CatchUp {
         &self,
         token: &str,
         marker: &Marker,
-        journal: &[(&'static str, String)],
+        journal: &crate::fast::Record,
     ) -> Result<(), crate::fast::FastError> {
         let attempt = Attempt {
-            owner: "",
+            owner: None,
             request_id: marker.request_id.as_deref(),
             fingerprint: marker.fingerprint.as_deref(),
         };
@@ -189,8 +188,7 @@ impl CatchUp {
         match decision {
             Decision::Miss => {
                 self.fast.write_consumed(token, 1, marker).await?;
-                let mut entry = journal.to_vec();
-                entry.push((journal::AT, marker.at_ms.to_string()));
+                let entry = journal.clone().replayed_at(marker.at_ms);
                 self.fast.append_journal(&entry).await
             }
             Decision::Won { .. }

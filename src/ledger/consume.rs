@@ -207,7 +207,7 @@ impl Ledger {
         input: &I,
     ) -> Result<ConsumeAnswer, LedgerError> {
         let owner = uuid::Uuid::new_v4().simple().to_string();
-        let attempt = attempt_of(&owner, input);
+        let attempt = attempt_of(Some(&owner), input);
         let mut claimed = false;
         // A marker's own answer, kept for when Postgres cannot be asked.
         let mut fallback = None;
@@ -286,7 +286,7 @@ impl Ledger {
         of: Of<'_>,
         input: &I,
     ) -> Result<ConsumeAnswer, LedgerError> {
-        let attempt = attempt_of("", input);
+        let attempt = attempt_of(None, input);
         let mut fields =
             journal::consume_fields(&held.record, attempt.request_id, attempt.fingerprint);
         let mut args = KeyArgs {
@@ -688,8 +688,8 @@ fn decision_seen(p: Peek) -> Decision {
 }
 
 /// An attempt's arguments to the consume script (`owner`: its provisional
-/// marker's, `""` for none).
-fn attempt_of<'a, I: Attempted>(owner: &'a str, input: &'a I) -> Attempt<'a> {
+/// marker's, if it names one).
+fn attempt_of<'a, I: Attempted>(owner: Option<&'a str>, input: &'a I) -> Attempt<'a> {
     Attempt {
         owner,
         request_id: input.request_id().map(RequestId::as_str),

@@ -116,8 +116,7 @@ impl Ledger {
             }
             let mut fields = journal::result_fields_for(&held.record, &encoded);
             if let Some((by, reason)) = operator {
-                fields.push((journal::BY, by.to_owned()));
-                fields.push((journal::REASON, reason.to_owned()));
+                fields.set_operator(by, reason);
             }
             // Redis decides only through this instance's gate, as for a
             // consume: with the gate closed, Redis may not be the decider
@@ -459,7 +458,7 @@ impl Ledger {
     pub(super) async fn release_held(
         &self,
         held: &Held,
-        fields: Option<Vec<(&'static str, String)>>,
+        fields: Option<crate::fast::Record>,
         detail: Option<&Json>,
     ) -> Result<(), LedgerError> {
         let released = self.release_in_tiers(held, fields, detail).await;
@@ -473,7 +472,7 @@ impl Ledger {
     async fn release_in_tiers(
         &self,
         held: &Held,
-        fields: Option<Vec<(&'static str, String)>>,
+        fields: Option<crate::fast::Record>,
         detail: Option<&Json>,
     ) -> Result<(), LedgerError> {
         let id = held.record.id;

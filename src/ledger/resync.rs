@@ -32,7 +32,7 @@ pub(super) enum Resync {
     FastConsumed {
         token: String,
         marker: Marker,
-        journal: Vec<(&'static str, String)>,
+        journal: crate::fast::Record,
     },
 }
 

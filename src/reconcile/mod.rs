@@ -64,7 +64,6 @@ pub use metrics::{conflict_metric, last_run_metrics, LAST_RUN_REFRESH};
 pub use report::{
     Class, Classes, InconsistentOrder, LogProgress, Phase, Progress, Quiet, Report, Scanned,
 };
-pub(crate) use run::error_chain;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {

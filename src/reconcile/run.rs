@@ -15,6 +15,7 @@ use crate::durable::reconcile::{self as sql, Repair};
 use crate::durable::DurableError;
 use crate::fast::{FastError, FastTier, Marker};
 use crate::journal::DrainError;
+use crate::telemetry::error_chain;
 use crate::token::TokenCodec;
 
 impl Reconciler {
@@ -128,18 +129,6 @@ pub(super) enum PhaseError {
     Postgres(#[from] DurableError),
     #[error("journal")]
     Journal(#[from] DrainError),
-}
-
-/// An error and its causes, `a: b: c`, for the report.
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        text.push_str(": ");
-        text.push_str(&c.to_string());
-        cause = c.source();
-    }
-    text
 }
 
 /// The state of one run.

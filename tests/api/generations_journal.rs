@@ -363,13 +363,19 @@ async fn a_result_applied_before_its_consume_on_another_instance_is_kept() {
     let rec = like_record(&a, 7_100_000_001, "u-1");
     fast.seed(&rec.token, 60_000).await.expect("seed");
     let attempt = Attempt {
-        owner: "",
+        owner: None,
         request_id: Some("r-1"),
         fingerprint: None,
     };
     let fields = idempotency_ledger::journal::consume_fields(&rec, Some("r-1"), None);
     let (won, _) = fast
-        .consume_versioned(&rec.token, ConsumeMode::Fast, &attempt, 1_000, &fields)
+        .consume_versioned(
+            &rec.token,
+            ConsumeMode::Fast,
+            &attempt,
+            1_000,
+            Some(&fields),
+        )
         .await
         .expect("consume");
     assert!(matches!(won, ScriptOutcome::Won { .. }), "{won:?}");
@@ -433,13 +439,19 @@ async fn fast_consume_release_consume_spread_over_instances_ends_at_the_last_con
     fast.seed(&rec.token, 60_000).await.expect("seed");
     for (i, rid) in ["r-1", "r-3"].into_iter().enumerate() {
         let attempt = Attempt {
-            owner: "",
+            owner: None,
             request_id: Some(rid),
             fingerprint: None,
         };
         let fields = idempotency_ledger::journal::consume_fields(&rec, Some(rid), None);
         let (won, v) = fast
-            .consume_versioned(&rec.token, ConsumeMode::Fast, &attempt, 1_000, &fields)
+            .consume_versioned(
+                &rec.token,
+                ConsumeMode::Fast,
+                &attempt,
+                1_000,
+                Some(&fields),
+            )
             .await
             .expect("consume");
         assert!(matches!(won, ScriptOutcome::Won { .. }), "{won:?}");

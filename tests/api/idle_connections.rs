@@ -165,7 +165,7 @@ async fn redis_connections_killed_while_idle_fail_no_request() {
 /// that the token is taken.
 #[tokio::test]
 async fn the_consume_script_sent_twice_by_one_attempt_answers_the_same() {
-    use idempotency_ledger::fast::{Attempt, ConsumeMode, ScriptOutcome};
+    use idempotency_ledger::fast::{Attempt, ConsumeMode, Op, Record, ScriptOutcome};
     let app = spawn_app().await;
     // The tier alone, on the app's Redis and key prefix.
     let (fast, _) = fast_tier(&app.stores);
@@ -174,7 +174,7 @@ async fn the_consume_script_sent_twice_by_one_attempt_answers_the_same() {
         request_id: Some("r1"),
         fingerprint: None,
     };
-    let journal = vec![("e", "{}".to_owned())];
+    let journal = Record::new(Op::Consume, "{}".to_owned(), None);
 
     let like = app.issue(PAYMENTS, "like", "fan").await;
     let order = app.issue(PAYMENTS, "order", "fan").await;
@@ -183,38 +183,74 @@ async fn the_consume_script_sent_twice_by_one_attempt_answers_the_same() {
     app.stop().await;
     let before = fast.journal_len().await.expect("xlen");
     let first = fast
-        .consume(&like, ConsumeMode::Fast, &attempt("a1"), 1000, &journal)
+        .consume(
+            &like,
+            ConsumeMode::Fast,
+            &attempt(Some("a1")),
+            1000,
+            Some(&journal),
+        )
         .await
         .expect("consume");
     let again = fast
-        .consume(&like, ConsumeMode::Fast, &attempt("a1"), 1000, &journal)
+        .consume(
+            &like,
+            ConsumeMode::Fast,
+            &attempt(Some("a1")),
+            1000,
+            Some(&journal),
+        )
         .await
         .expect("consume");
     assert!(matches!(first, ScriptOutcome::Won { .. }), "{first:?}");
     assert_eq!(first, again);
     assert_eq!(fast.journal_len().await.expect("xlen"), before + 1);
     let other = fast
-        .consume(&like, ConsumeMode::Fast, &attempt("a2"), 1000, &journal)
+        .consume(
+            &like,
+            ConsumeMode::Fast,
+            &attempt(Some("a2")),
+            1000,
+            Some(&journal),
+        )
         .await
         .expect("consume");
     assert!(matches!(other, ScriptOutcome::Consumed(_)), "{other:?}");
     // An attempt without an owner of its own gets a fresh one: it never
     // passes for another that had none either.
     let unnamed = fast
-        .consume(&like, ConsumeMode::Fast, &attempt(""), 1000, &journal)
+        .consume(
+            &like,
+            ConsumeMode::Fast,
+            &attempt(None),
+            1000,
+            Some(&journal),
+        )
         .await
         .expect("consume");
     assert!(matches!(unnamed, ScriptOutcome::Consumed(_)), "{unnamed:?}");
 
     for _ in 0..2 {
         let claimed = fast
-            .consume(&order, ConsumeMode::Durable, &attempt("d1"), 5000, &[])
+            .consume(
+                &order,
+                ConsumeMode::Durable,
+                &attempt(Some("d1")),
+                5000,
+                None,
+            )
             .await
             .expect("consume");
         assert_eq!(claimed, ScriptOutcome::Claimed);
     }
     let other = fast
-        .consume(&order, ConsumeMode::Durable, &attempt("d2"), 5000, &[])
+        .consume(
+            &order,
+            ConsumeMode::Durable,
+            &attempt(Some("d2")),
+            5000,
+            None,
+        )
         .await
         .expect("consume");
     assert!(matches!(other, ScriptOutcome::Provisional(_)), "{other:?}");

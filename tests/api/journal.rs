@@ -15,6 +15,7 @@ use crate::helpers::*;
 /// A fast consume's journal entry, as the consume script completes it.
 fn consume_entry(rec: &TokenRecord, rid: &str, at_ms: i64) -> JournalEntry {
     let mut fields: HashMap<String, Vec<u8>> = journal::consume_fields(rec, Some(rid), None)
+        .fields()
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v.into_bytes()))
         .collect();

@@ -213,12 +213,12 @@ async fn a_write_back_pipeline_that_fails_leaves_reconcile_able_to_repair() {
         records.push(record(&pg, &token).await);
         let owner = format!("owner-{i}");
         let attempt = Attempt {
-            owner: &owner,
+            owner: Some(&owner),
             request_id: None,
             fingerprint: None,
         };
         direct
-            .consume_versioned(&token, ConsumeMode::Durable, &attempt, 300, &[])
+            .consume_versioned(&token, ConsumeMode::Durable, &attempt, 300, None)
             .await
             .expect("claimed");
     }
