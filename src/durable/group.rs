@@ -376,7 +376,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::{assemble, GroupCommit, Limits, Slot, Turn, Work};
-    use crate::clock::{ManualClock, SystemClock};
+    use crate::clock::{Clock, ManualClock, SystemClock};
     use crate::tasks::OffPath;
     use proptest::prelude::*;
     use std::collections::{HashSet, VecDeque};
@@ -429,10 +429,18 @@ mod tests {
         assert_eq!(sizes.lock().expect("sizes").as_slice(), want);
     }
 
-    /// While a batch runs, a further one starts only with `fill` items;
-    /// once none runs, whatever may go goes.
-    #[tokio::test]
-    async fn a_batch_beside_a_running_one_starts_only_when_full_enough() {
+    /// A queue of [`Held`] batches (each held until `open` says `true`),
+    /// recording the sizes of the batches it starts.
+    #[allow(clippy::type_complexity)]
+    fn held_queue(
+        limits: Limits,
+        clock: Arc<dyn Clock>,
+        owner: OffPath,
+    ) -> (
+        GroupCommit<Held>,
+        Arc<Mutex<Vec<usize>>>,
+        tokio::sync::watch::Sender<bool>,
+    ) {
         let sizes = Arc::new(Mutex::new(Vec::new()));
         let (open, rx) = tokio::sync::watch::channel(false);
         let q = GroupCommit::new(
@@ -440,15 +448,27 @@ mod tests {
                 sizes: sizes.clone(),
                 open: rx,
             },
+            limits,
+            prometheus::IntGauge::new("q", "q").expect("gauge"),
+            prometheus::Histogram::with_opts(prometheus::HistogramOpts::new("s", "s"))
+                .expect("histogram"),
+            clock,
+            owner,
+        );
+        (q, sizes, open)
+    }
+
+    /// While a batch runs, a further one starts only with `fill` items;
+    /// once none runs, whatever may go goes.
+    #[tokio::test]
+    async fn a_batch_beside_a_running_one_starts_only_when_full_enough() {
+        let (q, sizes, open) = held_queue(
             Limits {
                 size: 8,
                 slots: 2,
                 fill: 4,
                 queue_bound: Duration::from_secs(60),
             },
-            prometheus::IntGauge::new("q", "q").expect("gauge"),
-            prometheus::Histogram::with_opts(prometheus::HistogramOpts::new("s", "s"))
-                .expect("histogram"),
             Arc::new(SystemClock),
             OffPath::new(),
         );
@@ -496,22 +516,13 @@ mod tests {
     async fn an_item_past_the_queue_bound_is_not_sent_and_batches_are_owned() {
         let clock = ManualClock::new(0);
         let owner = OffPath::new();
-        let sizes = Arc::new(Mutex::new(Vec::new()));
-        let (open, rx) = tokio::sync::watch::channel(false);
-        let q = GroupCommit::new(
-            Held {
-                sizes: sizes.clone(),
-                open: rx,
-            },
+        let (q, sizes, open) = held_queue(
             Limits {
                 size: 8,
                 slots: 1,
                 fill: 1,
                 queue_bound: Duration::from_secs(1),
             },
-            prometheus::IntGauge::new("q", "q").expect("gauge"),
-            prometheus::Histogram::with_opts(prometheus::HistogramOpts::new("s", "s"))
-                .expect("histogram"),
             Arc::new(clock.clone()),
             owner.clone(),
         );

@@ -608,6 +608,9 @@ async fn a_batch_whose_follow_up_read_fails_still_answers_its_winner() {
     // An exclusive lock queued behind it: granted as soon as the statement
     // ends, so the read after it waits past its timeout.
     let mut locker = sqlx::PgConnection::connect(&url).await.expect("locker");
+    // Held until the batch has answered (not for a fixed time: on a loaded
+    // machine the read could otherwise come after the lock's end).
+    let (batch_done, until_answered) = tokio::sync::oneshot::channel::<()>();
     let lock = tokio::spawn(async move {
         sqlx::query("BEGIN")
             .execute(&mut locker)
@@ -617,7 +620,7 @@ async fn a_batch_whose_follow_up_read_fails_still_answers_its_winner() {
             .execute(&mut locker)
             .await
             .expect("lock");
-        tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(30), until_answered).await;
         sqlx::query("COMMIT")
             .execute(&mut locker)
             .await
@@ -646,6 +649,7 @@ async fn a_batch_whose_follow_up_read_fails_still_answers_its_winner() {
         .await
         .expect("batch task")
         .expect("the claim statement succeeded");
+    let _ = batch_done.send(());
     lock.await.expect("lock task");
     assert!(
         matches!(answers[0], Ok((ConsumeRow::Won { .. }, 1))),
