@@ -39,6 +39,7 @@ mod orders_model;
 mod reconcile;
 mod reconcile_cluster;
 mod redirects;
+mod replica_reads;
 mod result_release;
 mod security_clients;
 mod security_forgery;
