@@ -22,7 +22,8 @@ use crate::metrics::Metrics;
 pub struct Pools {
     /// Consumes, issuance records, order events, the journal.
     pub hot: PgPool,
-    /// Reconciliation, an operator's writes, audit seals: on the primary.
+    /// Reconciliation, audit seals, the issued filter's loads, the metrics
+    /// read on scrape: the primary, apart from payments.
     pub admin: PgPool,
     /// The read-only admin and audit queries (one token's, key's or order's
     /// story, event pages, stats, recorded reconcile runs, the uncertain
