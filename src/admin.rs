@@ -2,9 +2,12 @@
 //! ([`Admin`]): what happened to one token or client key, pages of audit events (opaque
 //! keyset cursor over `(at, id)`, newest first), the fleet-wide stats and
 //! the recorded reconcile runs ([`runs`]).
-//! Reads the admin pool only; SQL lives in [`crate::durable::admin`].
+//! Reads the read pool only ([`crate::durable::Pools::read`]: the admin
+//! pool, or `postgres.read_url`'s replica, whose staleness [`replica`]
+//! measures); SQL lives in [`crate::durable::admin`].
 
 pub mod order;
+pub mod replica;
 pub mod runs;
 
 use std::collections::BTreeMap;
@@ -182,19 +185,23 @@ pub struct KeyView {
     pub events: Vec<AuditEvent>,
 }
 
-/// The audit queries over the admin pool (payments never wait behind them).
+/// The audit queries over the read pool (payments never wait behind them).
 #[derive(Debug, Clone)]
 pub struct Admin {
     pool: PgPool,
+    /// Whether `pool` is a replica's (see [`Admin::data_lag`]).
+    replica: bool,
     codec: TokenCodec,
     /// The configured biz types: every one shows in the stats, idle or not.
     biz_types: Vec<String>,
 }
 
 impl Admin {
-    pub fn new(settings: &Settings, admin_pool: PgPool) -> Admin {
+    /// Reads `pools.read`.
+    pub fn new(settings: &Settings, pools: &crate::durable::Pools) -> Admin {
         Admin {
-            pool: admin_pool,
+            pool: pools.read.clone(),
+            replica: pools.read_is_replica,
             codec: TokenCodec::new(settings.tokens.signing_keys.clone()),
             biz_types: settings.biz.keys().map(|b| b.to_string()).collect(),
         }

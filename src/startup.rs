@@ -319,7 +319,7 @@ impl Parts {
                 self.clock.clone(),
                 self.off_path.clone(),
             ),
-            admin: Admin::new(settings, self.pools.admin.clone()),
+            admin: Admin::new(settings, &self.pools),
             reconciler: Reconciler::new(
                 settings,
                 self.pools.admin.clone(),
@@ -362,7 +362,8 @@ async fn open_postgres(settings: &Settings, opts: BuildOptions) -> anyhow::Resul
 }
 
 /// The metrics read from Postgres on scrape: pool usage, reconcile's last
-/// run and conflicts, uncertain items, the last audit seal.
+/// run and conflicts, uncertain items, the last audit seal, the read
+/// replica's lag (when `postgres.read_url` is set).
 fn register_postgres_metrics(
     metrics: &Metrics,
     pools: &Pools,
@@ -389,6 +390,13 @@ fn register_postgres_metrics(
     registry
         .register(Box::new(audit_seal::last_seal_metric(pools.admin.clone())))
         .context("registering the audit seal metric")?;
+    if pools.read_is_replica {
+        registry
+            .register(Box::new(crate::admin::replica::lag_metric(
+                pools.read.clone(),
+            )))
+            .context("registering the read replica's lag metric")?;
+    }
     Ok(())
 }
 

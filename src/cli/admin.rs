@@ -402,13 +402,7 @@ pub async fn audit(settings: &Settings, url: Option<String>, command: AuditComma
     };
     let code = match command {
         AuditCommand::Verify { since } => verify(settings, &pools, since).await,
-        other => {
-            audit_from(
-                &Source::Db(Admin::new(settings, pools.admin.clone())),
-                other,
-            )
-            .await
-        }
+        other => audit_from(&Source::Db(Admin::new(settings, &pools)), other).await,
     };
     pools.close().await;
     code

@@ -57,6 +57,9 @@ pub(super) struct RawServer {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawPostgres {
     pub(super) url: String,
+    /// Absent: admin and audit reads go to `url`.
+    #[serde(default)]
+    pub(super) read_url: Option<String>,
     pub(super) pool_size: u32,
     pub(super) admin_pool_size: u32,
     pub(super) acquire_timeout: String,

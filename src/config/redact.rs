@@ -77,3 +77,39 @@ pub fn redact_url(text: &str) -> Option<String> {
     }
     changed.then(|| url.to_string())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Settings;
+
+    #[test]
+    fn a_read_url_is_optional_checked_and_its_password_redacted() {
+        let defaults = Settings::from_toml_over_defaults("").expect("defaults");
+        assert_eq!(defaults.postgres.read_url, None);
+        let url = "postgres://ro:s3cret@replica:5432/ledger?sslmode=require";
+        let s = Settings::from_toml_over_defaults(&format!("[postgres]\nread_url = \"{url}\""))
+            .expect("a replica URL");
+        assert_eq!(s.postgres.read_url.as_deref(), Some(url));
+        for bad in [
+            "mysql://replica/ledger",
+            "postgres://replica/ledger?sslmode=sometimes",
+        ] {
+            let err =
+                Settings::from_toml_over_defaults(&format!("[postgres]\nread_url = \"{bad}\""))
+                    .expect_err(bad);
+            assert!(
+                err.to_string().contains("postgres.read_url"),
+                "{bad}: {err}"
+            );
+        }
+
+        let mut table: toml::Table = format!("[postgres]\nread_url = \"{url}\"")
+            .parse()
+            .expect("TOML");
+        redact(&mut table);
+        let printed = toml::to_string(&table).expect("TOML");
+        assert!(!printed.contains("s3cret"), "{printed}");
+        assert!(printed.contains(REDACTED), "{printed}");
+    }
+}

@@ -200,6 +200,9 @@ pub struct ServerSettings {
 #[derive(Debug, Clone)]
 pub struct PostgresSettings {
     pub url: String,
+    /// A streaming replica for the read-only admin and audit queries
+    /// ([`crate::durable::Pools::read`]); `None`: they read the primary.
+    pub read_url: Option<String>,
     pub pool_size: u32,
     pub admin_pool_size: u32,
     pub acquire_timeout: Duration,

@@ -188,6 +188,7 @@ impl RawPostgres {
             ));
         }
         let postgres = PostgresSettings {
+            read_url: read_url(self.read_url)?,
             url: self.url,
             pool_size: self.pool_size,
             admin_pool_size: self.admin_pool_size,
@@ -629,4 +630,17 @@ impl Raw {
         refuse_development_secrets(&settings)?;
         Ok(settings)
     }
+}
+
+/// `postgres.read_url`: absent or empty is none; else a `postgres://` URL
+/// whose TLS parameters parse, as `postgres.url`.
+fn read_url(url: Option<String>) -> Result<Option<String>, ConfigError> {
+    let Some(url) = url.filter(|u| !u.is_empty()) else {
+        return Ok(None);
+    };
+    if !url.starts_with("postgres://") && !url.starts_with("postgresql://") {
+        return Err(invalid("postgres.read_url", "expected a postgres:// URL"));
+    }
+    crate::tls::PgTls::from_url(&url).map_err(|e| invalid("postgres.read_url", e))?;
+    Ok(Some(url))
 }

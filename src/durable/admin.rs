@@ -1,6 +1,7 @@
 //! Admin statements: one token with its audit events, audit event pages
-//! (keyset over `(at, id)`, newest first, only the filters given), and the
-//! fleet-wide stats. Run on the admin pool, never the payment path's.
+//! (keyset over `(at, id)`, newest first, only the filters given), the
+//! fleet-wide stats, and how stale a replica's data may be. Run on the read
+//! pool (the admin pool, or a replica's), never the payment path's.
 
 use chrono::{DateTime, Utc};
 use serde_json::Value as Json;
@@ -242,4 +243,27 @@ pub async fn stats(pool: &PgPool, window_secs: i64) -> Result<Vec<StatRow>, Dura
         })
         .collect::<Result<_, sqlx::Error>>()
         .map_err(Into::into)
+}
+
+/// How old the data of the server behind `pool` may be, in milliseconds
+/// (one cheap statement, no table read).
+///
+/// 0 on a primary, and on a standby that has replayed all the WAL it
+/// received. Else the time since the last transaction it replayed committed
+/// on the primary (or, before it replayed any, since it started): an upper
+/// bound, and an overstatement when the primary has been idle since that
+/// commit. A standby cut off from its primary that had replayed everything
+/// it received before also answers 0: it cannot know what it missed.
+pub async fn data_lag_ms(pool: &PgPool) -> Result<i64, DurableError> {
+    let row = sqlx::query(
+        "SELECT CASE
+                  WHEN NOT pg_is_in_recovery() THEN 0
+                  WHEN pg_last_wal_receive_lsn() = pg_last_wal_replay_lsn() THEN 0
+                  ELSE greatest(0, (extract(epoch FROM now() - coalesce(
+                         pg_last_xact_replay_timestamp(), pg_postmaster_start_time())) * 1000))::bigint
+                END AS lag_ms",
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(row.try_get("lag_ms")?)
 }

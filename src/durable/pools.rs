@@ -1,6 +1,6 @@
-//! The two pools (payments never wait behind admin queries), their
-//! connection options, and the bounded fetch and transaction helpers every
-//! statement of the tier goes through.
+//! The pools (payments never wait behind admin queries; admin and audit
+//! reads may go to a replica), their connection options, and the bounded
+//! fetch and transaction helpers every statement of the tier goes through.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -17,26 +17,44 @@ use super::DurableError;
 use crate::config::PostgresSettings;
 use crate::metrics::Metrics;
 
-/// The two pools: payments never wait behind admin queries.
+/// The pools: payments never wait behind admin queries.
 #[derive(Debug, Clone)]
 pub struct Pools {
     /// Consumes, issuance records, order events, the journal.
     pub hot: PgPool,
-    /// Audit queries, stats, reconciliation.
+    /// Reconciliation, audit seals, the issued filter's loads, the metrics
+    /// read on scrape: the primary, apart from payments.
     pub admin: PgPool,
+    /// The read-only admin and audit queries (one token's, key's or order's
+    /// story, event pages, stats, recorded reconcile runs, the uncertain
+    /// queue): on `postgres.read_url`'s replica when set, else the very
+    /// `admin` pool.
+    pub read: PgPool,
+    /// Whether `read` is a replica's (its answers may be stale).
+    pub read_is_replica: bool,
     /// The longest a payment-path call may take on the client side:
     /// `acquire_timeout + statement_timeout` and a little for the network.
     pub deadline: std::time::Duration,
 }
 
-/// Connection options every pool uses: durable commits and bounded statements.
+/// Connection options every pool of the primary uses: durable commits and
+/// bounded statements.
 pub fn connect_options(settings: &PostgresSettings) -> Result<PgConnectOptions, sqlx::Error> {
+    connect_options_to(settings, &settings.url)
+}
+
+/// [`connect_options`] for the server at `url` (the primary's or the
+/// replica's).
+fn connect_options_to(
+    settings: &PostgresSettings,
+    url: &str,
+) -> Result<PgConnectOptions, sqlx::Error> {
     let timeout_ms = settings.statement_timeout.as_millis().to_string();
-    let mut opts: PgConnectOptions = settings.url.parse()?;
+    let mut opts: PgConnectOptions = url.parse()?;
     // sqlx reads `sslmode` and `sslrootcert` itself; as libpq (and the
     // migrations' connection, `crate::tls`), `require` with a root
     // certificate verifies the chain.
-    if let Ok(tls) = crate::tls::PgTls::from_url(&settings.url) {
+    if let Ok(tls) = crate::tls::PgTls::from_url(url) {
         if tls.effective_mode() == crate::tls::SslMode::VerifyCa {
             opts = opts.ssl_mode(sqlx::postgres::PgSslMode::VerifyCa);
         }
@@ -106,25 +124,38 @@ fn hot_pool_options(settings: &PostgresSettings) -> PgPoolOptions {
         })
 }
 
+/// The admin pool's options (and the replica's): admin queries are rare,
+/// so sqlx pings before every use.
+fn admin_pool_options(settings: &PostgresSettings) -> PgPoolOptions {
+    PgPoolOptions::new()
+        .max_connections(settings.admin_pool_size)
+        .min_connections(0)
+        .acquire_timeout(settings.acquire_timeout)
+        .idle_timeout(settings.idle_timeout)
+        .max_lifetime(settings.max_lifetime)
+}
+
 impl Pools {
     /// Lazily connecting pools: the first query connects.
     pub fn new(settings: &PostgresSettings) -> Result<Pools, sqlx::Error> {
         let opts = connect_options(settings)?;
         let hot = hot_pool_options(settings).connect_lazy_with(opts.clone());
-        // Admin queries are rare: sqlx pings before every use.
-        let admin = PgPoolOptions::new()
-            .max_connections(settings.admin_pool_size)
-            .min_connections(0)
-            .acquire_timeout(settings.acquire_timeout)
-            .idle_timeout(settings.idle_timeout)
-            .max_lifetime(settings.max_lifetime)
-            .connect_lazy_with(opts);
+        let admin = admin_pool_options(settings).connect_lazy_with(opts);
+        let (read, read_is_replica) = match &settings.read_url {
+            Some(url) => (
+                admin_pool_options(settings).connect_lazy_with(connect_options_to(settings, url)?),
+                true,
+            ),
+            None => (admin.clone(), false),
+        };
         let deadline = settings.acquire_timeout
             + settings.statement_timeout
             + std::time::Duration::from_millis(500);
         Ok(Pools {
             hot,
             admin,
+            read,
+            read_is_replica,
             deadline,
         })
     }
@@ -146,6 +177,7 @@ impl Pools {
     pub async fn close(&self) {
         self.hot.close().await;
         self.admin.close().await;
+        self.read.close().await;
     }
 }
 

@@ -2,7 +2,9 @@
 //! a token stuck in `processing`, audit event pages, fleet stats (role admin)
 //! and reconciliation (role admin or reconciler). The role is checked
 //! right after authentication, before the request is read: any other role
-//! gets 403 `forbidden` on every admin route.
+//! gets 403 `forbidden` on every admin route. A read served by
+//! `postgres.read_url`'s replica says how old its data may be
+//! ([`DATA_LAG`]).
 
 use actix_web::dev::Payload;
 use actix_web::{web, FromRequest, HttpRequest, HttpResponse};
@@ -29,6 +31,24 @@ fn authorize(req: &HttpRequest, allowed: &[Role]) -> Result<Client, ApiError> {
             "this route needs the admin role (reads: admin or auditor; reconcile: admin or reconciler)",
         ))
     }
+}
+
+/// The header of an admin read served by `postgres.read_url`'s replica: how
+/// old its data may be, in whole milliseconds (see
+/// [`crate::admin::Admin::data_lag`]). Absent when the read went to the
+/// primary.
+pub const DATA_LAG: &str = "Ledger-Data-Lag";
+
+/// 200 with `body` as JSON, and [`DATA_LAG`] when `lag` is a replica's.
+pub(super) fn read_answer<T: serde::Serialize>(
+    lag: Option<std::time::Duration>,
+    body: &T,
+) -> HttpResponse {
+    let mut res = HttpResponse::Ok();
+    if let Some(lag) = lag {
+        res.insert_header((DATA_LAG, lag.as_millis().to_string()));
+    }
+    res.json(body)
 }
 
 /// A caller with the admin or auditor role, for the admin reads (401, then
@@ -106,7 +126,7 @@ impl FromRequest for ReconcilerCaller {
     params(("token" = String, Path, description = "The token text")),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "The token", body = admin::TokenView, example = json!({"token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "biz_type": "order", "subject": "user-42", "client": "payments", "state": "consumed", "issued_at": "2026-12-02T07:30:00Z", "expires_at": "2026-12-02T07:31:00Z", "consumed_at": "2026-12-02T07:30:05Z", "fingerprint": "sha256:9f2c", "request_id": "req-7f3a", "result": null, "duplicate_attempts": 1, "events": [{"id": "1042", "at": "2026-12-02T07:30:05Z", "kind": "token.consumed", "token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "subject": "user-42", "biz_type": "order", "order_id": null, "client": "payments", "detail": {"request_id": "req-7f3a"}}]})),
+        (status = 200, description = "The token", body = admin::TokenView, headers(("Ledger-Data-Lag" = u64, description = "Only when `postgres.read_url` sends admin reads to a replica: how old this answer's data may be, in milliseconds (0: the replica had replayed all it received). Absent: read from the primary.")), example = json!({"token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "biz_type": "order", "subject": "user-42", "client": "payments", "state": "consumed", "issued_at": "2026-12-02T07:30:00Z", "expires_at": "2026-12-02T07:31:00Z", "consumed_at": "2026-12-02T07:30:05Z", "fingerprint": "sha256:9f2c", "request_id": "req-7f3a", "result": null, "duplicate_attempts": 1, "events": [{"id": "1042", "at": "2026-12-02T07:30:05Z", "kind": "token.consumed", "token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "subject": "user-42", "biz_type": "order", "order_id": null, "client": "payments", "detail": {"request_id": "req-7f3a"}}]})),
         (status = 400, description = "token_invalid", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: not an admin (reads: admin or auditor)", body = super::ErrorBody),
@@ -118,8 +138,9 @@ pub async fn token(
     token: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let text = path_token(&token)?;
+    let lag = state.admin.data_lag().await?;
     let view = state.admin.token(text).await?;
-    Ok(HttpResponse::Ok().json(view))
+    Ok(read_answer(lag, &view))
 }
 
 /// Query of `GET /v1/admin/keys`.
@@ -142,7 +163,7 @@ pub struct KeyParams {
 #[utoipa::path(get, path = "/v1/admin/keys", operation_id = "adminGetKey", tag = "admin", params(KeyParams),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "The key", body = admin::KeyView, example = json!({"key": "checkout-7f3a", "client": "payments", "biz_type": "order", "subject": "user-42", "state": "consumed", "issued_at": "2026-12-02T07:30:05Z", "consumed_at": "2026-12-02T07:30:05Z", "fingerprint": "sha256:9f2c", "request_id": "req-7f3a", "result": {"payment_id": "pay-881"}, "duplicate_attempts": 0, "events": []})),
+        (status = 200, description = "The key", body = admin::KeyView, headers(("Ledger-Data-Lag" = u64, description = "Only when `postgres.read_url` sends admin reads to a replica: how old this answer's data may be, in milliseconds (0: the replica had replayed all it received). Absent: read from the primary.")), example = json!({"key": "checkout-7f3a", "client": "payments", "biz_type": "order", "subject": "user-42", "state": "consumed", "issued_at": "2026-12-02T07:30:05Z", "consumed_at": "2026-12-02T07:30:05Z", "fingerprint": "sha256:9f2c", "request_id": "req-7f3a", "result": {"payment_id": "pay-881"}, "duplicate_attempts": 0, "events": []})),
         (status = 400, description = "invalid_request", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: not an admin (reads: admin or auditor)", body = super::ErrorBody),
@@ -162,8 +183,9 @@ pub async fn key(
     let client = required("client", &query.client)?;
     let biz = crate::domain::BizType::parse(&required("biz_type", &query.biz_type)?)?;
     let key = crate::domain::key::ClientKey::parse(&required("key", &query.key)?)?;
+    let lag = state.admin.data_lag().await?;
     let view = state.admin.key(&client, &biz, &key).await?;
-    Ok(HttpResponse::Ok().json(view))
+    Ok(read_answer(lag, &view))
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -401,7 +423,7 @@ impl AuditParams {
 #[utoipa::path(get, path = "/v1/admin/audit", operation_id = "adminAuditEvents", tag = "admin", params(AuditParams),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "One page; `next_cursor` is null at the end", body = admin::AuditPage, example = json!({"events": [{"id": "1042", "at": "2026-12-02T07:30:05Z", "kind": "token.consumed", "token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "subject": "user-42", "biz_type": "order", "order_id": null, "client": "payments", "detail": {"request_id": "req-7f3a"}}], "next_cursor": null})),
+        (status = 200, description = "One page; `next_cursor` is null at the end", body = admin::AuditPage, headers(("Ledger-Data-Lag" = u64, description = "Only when `postgres.read_url` sends admin reads to a replica: how old this answer's data may be, in milliseconds (0: the replica had replayed all it received). Absent: read from the primary.")), example = json!({"events": [{"id": "1042", "at": "2026-12-02T07:30:05Z", "kind": "token.consumed", "token": "order_AZJxkq3mQ0uW1c2f8a9b_k1_3q9Yh2Lx", "subject": "user-42", "biz_type": "order", "order_id": null, "client": "payments", "detail": {"request_id": "req-7f3a"}}], "next_cursor": null})),
         (status = 400, description = "invalid_request (bad filter, limit beyond 1000), invalid_cursor", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: not an admin (reads: admin or auditor)", body = super::ErrorBody),
@@ -412,8 +434,9 @@ pub async fn audit(
     req: HttpRequest,
 ) -> Result<HttpResponse, ApiError> {
     let query = AuditParams::from_query(req.query_string())?.parse()?;
+    let lag = state.admin.data_lag().await?;
     let page = state.admin.audit(&query).await?;
-    Ok(HttpResponse::Ok().json(page))
+    Ok(read_answer(lag, &page))
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
@@ -428,7 +451,7 @@ pub struct StatsParams {
 #[utoipa::path(get, path = "/v1/admin/stats", operation_id = "adminStats", tag = "admin", params(StatsParams),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "Counters per biz type", body = admin::Stats, example = json!({"window": "1h", "mode": "normal", "biz_types": {"order": {"issued": 120, "consumed": 100, "duplicates": 4, "duplicate_rate": 0.0385, "expired": 2, "invalid": 0}}})),
+        (status = 200, description = "Counters per biz type", body = admin::Stats, headers(("Ledger-Data-Lag" = u64, description = "Only when `postgres.read_url` sends admin reads to a replica: how old this answer's data may be, in milliseconds (0: the replica had replayed all it received). Absent: read from the primary.")), example = json!({"window": "1h", "mode": "normal", "biz_types": {"order": {"issued": 120, "consumed": 100, "duplicates": 4, "duplicate_rate": 0.0385, "expired": 2, "invalid": 0}}})),
         (status = 400, description = "invalid_request: bad window", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: not an admin (reads: admin or auditor)", body = super::ErrorBody),
@@ -440,8 +463,9 @@ pub async fn stats(
 ) -> Result<HttpResponse, ApiError> {
     let query = query.map_err(|e| ApiError::invalid(format!("bad query: {e}")))?;
     let window = Window::parse(query.window.as_deref().unwrap_or("1h"))?;
+    let lag = state.admin.data_lag().await?;
     let stats = state.admin.stats(&window, state.ledger.mode()).await?;
-    Ok(HttpResponse::Ok().json(stats))
+    Ok(read_answer(lag, &stats))
 }
 
 /// Query of `GET /v1/admin/reconcile/runs`; empty values count as absent.
@@ -461,7 +485,7 @@ pub struct RunsParams {
 #[utoipa::path(get, path = "/v1/admin/reconcile/runs", operation_id = "adminReconcileRuns", tag = "admin", params(RunsParams),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "One page; `next_cursor` is null at the end", body = crate::admin::runs::RunsPage, example = json!({"runs": [{"id": "12", "by": "reconciler", "started_at": "2026-12-02T07:30:00Z", "finished_at": "2026-12-02T07:30:05Z", "dry_run": true, "scanned": {"tokens": 120, "orders": 3}, "found": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "repaired": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "inconsistent_orders": [], "redis_ahead_of_postgres": [], "interrupted": false, "errors": []}], "next_cursor": null})),
+        (status = 200, description = "One page; `next_cursor` is null at the end", body = crate::admin::runs::RunsPage, headers(("Ledger-Data-Lag" = u64, description = "Only when `postgres.read_url` sends admin reads to a replica: how old this answer's data may be, in milliseconds (0: the replica had replayed all it received). Absent: read from the primary.")), example = json!({"runs": [{"id": "12", "by": "reconciler", "started_at": "2026-12-02T07:30:00Z", "finished_at": "2026-12-02T07:30:05Z", "dry_run": true, "scanned": {"tokens": 120, "orders": 3}, "found": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "repaired": {"redis_live_but_consumed": 0, "redis_missing_but_live": 0, "stale_provisional": 0, "journal_not_durable": 0, "order_inconsistent": 0, "expired_purgeable": 0, "redis_consumed_but_live": 0, "redis_ahead_of_postgres": 0}, "inconsistent_orders": [], "redis_ahead_of_postgres": [], "interrupted": false, "errors": []}], "next_cursor": null})),
         (status = 400, description = "invalid_request (limit beyond 100), invalid_cursor", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: not an admin or auditor", body = super::ErrorBody),
@@ -482,11 +506,12 @@ pub async fn reconcile_runs(
             ))
         })?,
     };
+    let lag = state.admin.data_lag().await?;
     let page = state
         .admin
         .reconcile_runs(limit, present(&query.cursor).as_deref())
         .await?;
-    Ok(HttpResponse::Ok().json(page))
+    Ok(read_answer(lag, &page))
 }
 
 #[derive(Debug, Default, Deserialize, ToSchema)]

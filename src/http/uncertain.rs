@@ -110,7 +110,7 @@ fn present(v: &Option<String>) -> Option<&str> {
 #[utoipa::path(get, path = "/v1/admin/uncertain", operation_id = "adminUncertain", tag = "admin", params(UncertainParams),
     security(("api_key" = [])),
     responses(
-        (status = 200, description = "One page; `next_cursor` is null at the end", body = UncertainPage, example = json!({"items": [{"token": "v1.order.AAAB...", "client": "payments", "biz_type": "refund", "subject": "user-42", "consumed_at": "2026-12-02T07:30:05.120Z", "request_id": "req-881", "uncertain_since": "2026-12-02T07:32:05.900Z"}], "next_cursor": null})),
+        (status = 200, description = "One page; `next_cursor` is null at the end", body = UncertainPage, headers(("Ledger-Data-Lag" = u64, description = "Only when `postgres.read_url` sends admin reads to a replica: how old this answer's data may be, in milliseconds (0: the replica had replayed all it received). Absent: read from the primary.")), example = json!({"items": [{"token": "v1.order.AAAB...", "client": "payments", "biz_type": "refund", "subject": "user-42", "consumed_at": "2026-12-02T07:30:05.120Z", "request_id": "req-881", "uncertain_since": "2026-12-02T07:32:05.900Z"}], "next_cursor": null})),
         (status = 400, description = "invalid_request (bad biz_type, limit beyond 1000), invalid_cursor", body = super::ErrorBody),
         (status = 401, description = "unauthorized", body = super::ErrorBody),
         (status = 403, description = "forbidden: not an admin or auditor", body = super::ErrorBody),
@@ -134,6 +134,7 @@ pub async fn list(
             })?,
     };
     let after = present(&query.cursor).map(decode_cursor).transpose()?;
+    let lag = state.admin.data_lag().await?;
     let mut rows = state
         .ledger
         .uncertain_page(biz.as_ref().map(BizType::as_str), after, limit + 1)
@@ -145,10 +146,13 @@ pub async fn list(
     } else {
         None
     };
-    Ok(HttpResponse::Ok().json(UncertainPage {
-        items: rows.into_iter().map(UncertainItem::from).collect(),
-        next_cursor,
-    }))
+    Ok(super::admin::read_answer(
+        lag,
+        &UncertainPage {
+            items: rows.into_iter().map(UncertainItem::from).collect(),
+            next_cursor,
+        },
+    ))
 }
 
 #[derive(Debug, Deserialize, ToSchema)]

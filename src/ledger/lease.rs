@@ -225,7 +225,8 @@ impl Ledger {
         Ok(released)
     }
 
-    /// A page of the uncertain queue (oldest first, after `after`).
+    /// A page of the uncertain queue (oldest first, after `after`), from the
+    /// read pool (`postgres.read_url`'s replica when set).
     pub async fn uncertain_page(
         &self,
         biz: Option<&str>,
@@ -236,16 +237,16 @@ impl Ledger {
             &self.metrics,
             "uncertain",
             self.pools
-                .bounded(sql::uncertain_page(&self.pools.admin, biz, after, limit)),
+                .bounded(sql::uncertain_page(&self.pools.read, biz, after, limit)),
         )
         .await
         .map_err(LedgerError::postgres)
     }
 
-    /// How many items are uncertain, per biz type.
+    /// How many items are uncertain, per biz type (from the read pool).
     pub async fn uncertain_counts(&self) -> Result<Vec<(String, i64)>, LedgerError> {
         self.pools
-            .bounded(sql::uncertain_counts(&self.pools.admin))
+            .bounded(sql::uncertain_counts(&self.pools.read))
             .await
             .map_err(LedgerError::postgres)
     }

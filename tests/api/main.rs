@@ -40,6 +40,7 @@ mod partitions;
 mod reconcile;
 mod reconcile_cluster;
 mod redirects;
+mod replica_reads;
 mod result_release;
 mod security_clients;
 mod security_forgery;

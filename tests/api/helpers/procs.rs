@@ -1,6 +1,7 @@
 //! Private servers for the fault tests: a redis-server, a 6-node Redis Cluster,
-//! a Postgres instance and the service binary itself, each on free ports in
-//! its own temporary directory, killed when dropped. The shared Postgres and
+//! a Postgres instance (and a streaming replica of it) and the service binary
+//! itself, each on free ports in its own temporary directory, killed when
+//! dropped. The shared Postgres and
 //! Redis are never stopped, paused or reconfigured.
 
 use std::collections::BTreeSet;
@@ -409,6 +410,33 @@ impl PgProc {
             .arg(self.dir.path().join("pg.log"))
             .args(["-o", &opts, "-w", "-t", "30", "start"]));
         assert!(out.contains("server started"), "pg_ctl start: {out}");
+    }
+
+    /// A streaming replica of this server, started on a port of its own:
+    /// `pg_basebackup -R` (a hot standby that follows this one; initdb's
+    /// `pg_hba.conf` lets local replication in, and Postgres 15's defaults
+    /// `wal_level=replica`, `max_wal_senders=10` allow it).
+    pub fn replica(&self) -> PgProc {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let _ = run(Command::new("chown")
+            .args(["-R", "postgres:postgres"])
+            .arg(dir.path()));
+        let replica = PgProc {
+            port: free_port(),
+            max_connections: self.max_connections,
+            dir,
+        };
+        let out = run(as_postgres("pg_basebackup")
+            .arg("-D")
+            .arg(replica.data())
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(["-U", "postgres", "-R", "-X", "stream", "-c", "fast"]));
+        assert!(
+            replica.data().join("standby.signal").exists(),
+            "pg_basebackup: {out}"
+        );
+        replica.start_again();
+        replica
     }
 
     /// `pg_ctl stop -m immediate`: like a crash, no shutdown checkpoint.
