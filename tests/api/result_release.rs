@@ -880,3 +880,111 @@ async fn results_and_releases_fired_together_are_decided_in_batches() {
         .stop()
         .await;
 }
+
+/// A result Postgres refuses (a constraint the schema gained: no result
+/// `{"n": 13}`) sits in a batch with ten releases and results of other
+/// tokens: the batch statement fails as a whole, its items are decided one
+/// by one, and only the refused one fails (500).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_result_postgres_refuses_fails_only_itself_in_a_batch() {
+    let app = std::sync::Arc::new(
+        spawn_app_on(Stores::fresh().with(
+            "postgres.consume_batches_in_flight = 1\npostgres.acquire_timeout = \"10s\"\npostgres.statement_timeout = \"20s\"",
+        ))
+        .await,
+    );
+    let pg = app.pg().await;
+    let mut tokens = Vec::new();
+    for i in 0..12 {
+        let subject = format!("u-{i}");
+        let token = app.issue(PAYMENTS, "order", &subject).await;
+        let (s, _, b) = consume(&app, &token, json!({"subject": subject})).await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+        tokens.push(token);
+    }
+    sqlx::query(
+        "ALTER TABLE tokens ADD CONSTRAINT test_refused_result
+             CHECK (result IS NULL OR result <> '{\"n\": 13}'::jsonb) NOT VALID",
+    )
+    .execute(&pg)
+    .await
+    .unwrap();
+    // Token 0's result (the statement in flight) waits on a row lock held
+    // here, so the eleven calls after it queue for one batch.
+    let mut lock = pg.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM tokens WHERE token = $1 FOR UPDATE")
+        .bind(&tokens[0])
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let send = |i: usize, n: i64| {
+        let (app, token) = (app.clone(), tokens[i].clone());
+        tokio::spawn(async move {
+            let subject = format!("u-{i}");
+            let (path, body) = if n < 0 {
+                (
+                    format!("/v1/tokens/{token}/release"),
+                    json!({"subject": subject}),
+                )
+            } else {
+                (
+                    format!("/v1/tokens/{token}/result"),
+                    json!({"subject": subject, "result": {"n": n}}),
+                )
+            };
+            answer(app.post(PAYMENTS, &path, &body).await).await
+        })
+    };
+    let wait_for = |name: &'static str, n: f64| {
+        let app = app.clone();
+        async move {
+            eventually(10, || {
+                let app = app.clone();
+                async move {
+                    let text = app.metrics_text().await;
+                    (crate::helpers::scrape::sample(&text, name, &[]) == Some(n)).then_some(())
+                }
+            })
+            .await
+        }
+    };
+    let first = send(0, 0);
+    wait_for("ledger_pg_finish_batch_size_count", 1.0).await;
+    let refused = send(1, 13);
+    // Even: results; odd: releases.
+    let rest: Vec<_> = (2..12)
+        .map(|i| send(i, if i % 2 == 0 { i as i64 } else { -1 }))
+        .collect();
+    wait_for("ledger_pg_finish_queue", 11.0).await;
+    lock.commit().await.unwrap();
+
+    let (s, _, b) = first.await.unwrap();
+    assert_eq!(s, StatusCode::OK, "{b}");
+    for (i, h) in rest.into_iter().enumerate() {
+        let (s, _, b) = h.await.unwrap();
+        assert_eq!(s, StatusCode::OK, "token {}: {b}", i + 2);
+    }
+    let (s, _, b) = refused.await.unwrap();
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR, "{b}");
+    let text = app.metrics_text().await;
+    let sample = |le: &str| {
+        crate::helpers::scrape::sample(&text, "ledger_pg_finish_batch_size_bucket", &[("le", le)])
+            .expect("bucket")
+    };
+    assert!(
+        sample("16") > sample("8"),
+        "no batch of 9 to 16 items: {text}"
+    );
+    let (state, result): (String, Option<Value>) =
+        sqlx::query_as("SELECT state::text, result FROM tokens WHERE token = $1")
+            .bind(&tokens[1])
+            .fetch_one(&pg)
+            .await
+            .unwrap();
+    assert_eq!((state.as_str(), result), ("consumed", None));
+    std::sync::Arc::try_unwrap(app)
+        .ok()
+        .expect("sole owner")
+        .stop()
+        .await;
+}
