@@ -9,8 +9,9 @@
 //! [`bloom`] for the issued-token filter's channel and load, `pg_enum` for
 //! the Postgres enum types, [`marks`] for
 //! the issuance marks, [`usage`] for the pools' use as metrics, [`batch`]
-//! for the group commit of durable consumes, [`group`] for the group-commit
-//! queue it shares with the order events' batcher).
+//! for the group commit of durable consumes, results and releases,
+//! [`key_batch`] for that of durable client-key consumes, [`group`] for the
+//! group-commit queue they share with the order events' batcher).
 //! Every hot statement touches one token or one order key.
 
 pub mod admin;
@@ -20,6 +21,7 @@ mod error;
 pub mod fleet;
 pub mod group;
 pub mod journal;
+pub mod key_batch;
 pub mod keys;
 pub mod lease;
 pub mod leases;

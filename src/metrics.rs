@@ -60,6 +60,14 @@ pub struct Metrics {
     pub pg_batch_size: Histogram,
     /// Durable consumes waiting for the next batch.
     pub pg_consume_queue: IntGauge,
+    /// Durable client-key consumes decided by one statement (group commit).
+    pub pg_key_batch_size: Histogram,
+    /// Durable client-key consumes waiting for the next batch.
+    pub pg_key_consume_queue: IntGauge,
+    /// Results and releases decided by one statement (group commit).
+    pub pg_finish_batch_size: Histogram,
+    /// Results and releases waiting for the next batch.
+    pub pg_finish_queue: IntGauge,
     /// Order events decided by one transaction (their batches).
     pub pg_order_batch_size: Histogram,
     /// Order events waiting for the next batch.
@@ -361,11 +369,15 @@ impl Bloom {
     }
 }
 
-/// Group commit on Postgres: batch sizes and queues of consumes and order
-/// events.
+/// Group commit on Postgres: batch sizes and queues of consumes (tokens and
+/// client keys), of results and releases, and of order events.
 struct Batches {
     consume_size: Histogram,
     consume_queue: IntGauge,
+    key_size: Histogram,
+    key_queue: IntGauge,
+    finish_size: Histogram,
+    finish_queue: IntGauge,
     order_size: Histogram,
     order_queue: IntGauge,
 }
@@ -383,6 +395,28 @@ impl Batches {
                 r,
                 "ledger_pg_consume_queue",
                 "Durable consumes waiting for the next batch statement.",
+            ),
+            key_size: histogram(
+                r,
+                "ledger_pg_key_batch_size",
+                "Durable client-key consumes decided by one Postgres statement (1: sent at once; more: collected while postgres.consume_batches_in_flight key statements ran).",
+                BATCH_BUCKETS,
+            ),
+            key_queue: int_gauge(
+                r,
+                "ledger_pg_key_consume_queue",
+                "Durable client-key consumes waiting for the next batch statement.",
+            ),
+            finish_size: histogram(
+                r,
+                "ledger_pg_finish_batch_size",
+                "Results and releases (of durable tokens and keys, and of tokens Redis did not hold) decided by one Postgres statement (1: sent at once; more: collected while postgres.consume_batches_in_flight such statements ran).",
+                BATCH_BUCKETS,
+            ),
+            finish_queue: int_gauge(
+                r,
+                "ledger_pg_finish_queue",
+                "Results and releases waiting for the next batch statement.",
             ),
             order_size: histogram(
                 r,
@@ -472,6 +506,10 @@ impl Metrics {
             bloom_checks: bloom.checks,
             pg_batch_size: batches.consume_size,
             pg_consume_queue: batches.consume_queue,
+            pg_key_batch_size: batches.key_size,
+            pg_key_consume_queue: batches.key_queue,
+            pg_finish_batch_size: batches.finish_size,
+            pg_finish_queue: batches.finish_queue,
             pg_order_batch_size: batches.order_size,
             pg_order_queue: batches.order_queue,
             issue_buffer_depth: lagging.issue_buffer_depth,

@@ -214,6 +214,9 @@ TARGETS = {
     "forged": ("actix empty", 0.7, None),
     "order-pay": ("pgbench order-pay", 0.8, None),
     "mixed": ("blend 20% SET NX EX + 80% pgbench consume", None, None),
+    # no target yet: the same statement's cost per key (its ratio shown)
+    "key-claim": ("pgbench consume", None, None),
+    "key-cycle": ("pgbench consume", None, None),
 }
 
 

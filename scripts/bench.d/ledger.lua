@@ -20,6 +20,13 @@
 --          POST /v1/orders/<order>/pay, lines "token subject order_id".
 --   mixed  <file prefix> <issue biz> <subjects>
 --          every fifth request issues, the others consume (rid bodies).
+--   keys   <biz> <tag> <claim|complete>
+--          POST /v1/keys/consume of new client keys "<tag>-<tid>-<n>" (body
+--          with a request_id); complete: each key answered `consumed` is
+--          then completed (POST /v1/keys/result) before the next new key of
+--          that connection slot, so that claims and results alternate (a
+--          claim-then-complete cycle is two requests; `completed` counts
+--          the results recorded).
 -- modes (references):
 --   get    <path>            GET <path>, nothing else (the empty handler)
 --   seq    <path prefix> <tag>  GET <prefix><tag>-<tid>-<n>, a fresh id per
@@ -70,6 +77,8 @@ local exhausted = false
 local path_prefix = "/"
 local id_tag = "benchref"
 local inflight = 0       -- requests sent and not answered yet (fillers apart)
+local complete = false   -- keys: send each claimed key's result
+local pending = {}       -- keys: claimed keys whose result is not sent yet
 
 local function load_tokens(path)
   local f = io.open(path, "r")
@@ -107,6 +116,10 @@ function init(args)
     biz_list = { args[5] }
     subjects = tonumber(args[6] or "1000")
     body_style = "rid"
+  elseif mode == "keys" then
+    biz_list = { args[4] }
+    id_tag = args[5] or "k"
+    complete = args[6] == "complete"
   elseif mode == "get" then
     path_prefix = args[4] or "/"
   elseif mode == "seq" then
@@ -157,6 +170,19 @@ local function consume_request()
   return wrk.format("POST", "/v1/tokens/" .. t[1] .. "/consume", auth_headers, body)
 end
 
+local function key_request()
+  inflight = inflight + 1
+  if complete and #pending > 0 then
+    local k = table.remove(pending)
+    return wrk.format("POST", "/v1/keys/result", auth_headers,
+      string.format('{"biz_type":"%s","key":"%s","result":{"ok":true}}', biz_list[1], k))
+  end
+  seq = seq + 1
+  return wrk.format("POST", "/v1/keys/consume", auth_headers,
+    string.format('{"biz_type":"%s","key":"%s-%d-%d","request_id":"r%d-%d"}',
+      biz_list[1], id_tag, tid, seq, tid, seq))
+end
+
 -- one base64url character of the tag changed: the text stays canonical and
 -- well-formed, so only the HMAC comparison can refuse it
 local function forge(t)
@@ -175,6 +201,8 @@ function request()
     seq = seq + 1
     if seq % 5 == 0 then return issue_request() end
     return consume_request()
+  elseif mode == "keys" then
+    return key_request()
   elseif mode == "forged" then
     pos = pos % #tokens + 1
     local t = tokens[pos]
@@ -229,12 +257,14 @@ local function on_consume(status, headers, body)
       inc("ok"); inc("replayed")
       return
     end
-    local t = body:match('"token":"([^"]+)"')
+    -- a key's answer carries "key" where a token's carries "token"
+    local t = body:match('"token":"([^"]+)"') or body:match('"key":"([^"]+)"')
     if not t then inc("unexpected"); return end
     inc("ok"); inc("consumed")
     local n = (seen[t] or 0) + 1
     seen[t] = n
     if n == 2 then inc("doubles") end
+    if complete then pending[#pending + 1] = t end
   elseif o == "duplicate" then
     inc("ok"); inc("duplicate")
     local st = body:match('"status":"(%a+)"')
@@ -261,6 +291,12 @@ function response(status, headers, body)
     on_consume(status, headers, body)
   elseif mode == "mixed" then
     if status == 201 then on_issue(status, body) else on_consume(status, headers, body) end
+  elseif mode == "keys" then
+    if status == 200 and body:find('"outcome":"recorded"', 1, true) then
+      inc("ok"); inc("completed")
+    else
+      on_consume(status, headers, body)
+    end
   elseif mode == "forged" then
     if status == 400 and body:find('"token_invalid"', 1, true) then
       inc("ok"); inc("refused")

@@ -1,8 +1,8 @@
-//! Group commit of durable consumes: [`ConsumeBatcher`] sends a consume at
-//! once while no consume statement runs, and the ones that arrive meanwhile
-//! form the next batch, decided by one statement over arrays
-//! ([`consume_batch`]) with an answer per item. The queue is
-//! [`super::group`]'s, keyed by token id: one consume per token in flight,
+//! Group commit of durable consumes (and of results and releases, below):
+//! [`ConsumeBatcher`] sends a consume at once while no consume statement
+//! runs, and the ones that arrive meanwhile form the next batch, decided by
+//! one statement over arrays ([`consume_batch`]) with an answer per item.
+//! The queue is [`super::group`]'s, keyed by token id: one consume per token in flight,
 //! no wait when idle, up to `postgres.consume_batches_in_flight` statements
 //! at once (each beside a running one with a quarter-full batch), bounded.
 //!
@@ -29,6 +29,17 @@
 //! - **Bounded.** Each statement runs under [`Pools::bounded`]; an item that
 //!   waited longer than `postgres.acquire_timeout` for its batch is answered
 //!   as a pool wait would be (`PoolTimedOut`, 503) without being sent.
+//!
+//! Results and releases (of durable tokens and keys, and of fast tokens
+//! Redis did not hold) go through [`FinishBatcher`] the same way, on a
+//! queue of their own keyed by id (a result and a release of one token never
+//! run at once) with the consumes' limits: a batch is
+//! [`tokens::set_result_versioned`]'s and [`tokens::release_with`]'s
+//! updates and audit rows per item in one statement ([`finish_batch`]),
+//! which locks its rows in id order first; the rows it did not change are
+//! read after it, in one read, as the single statements read theirs. A
+//! refused batch is decided item by item; an unknown outcome is answered to
+//! each item.
 
 use std::cmp::Ordering;
 use std::collections::HashMap;
@@ -37,8 +48,13 @@ use std::sync::Arc;
 use chrono::{DateTime, Utc};
 use sqlx::{PgPool, Row};
 
+use serde_json::Value as Json;
+
 use super::group::{GroupCommit, Limits, Slot, Turn, Work};
-use super::tokens::{self, ConsumeRow, TokenRecord, TokenState};
+
+use super::tokens::{
+    self, ConsumeRow, Existing, ReleaseRow, ResultDecided, TokenRecord, TokenState,
+};
 use super::{DurableError, Pools};
 use crate::clock::Clock;
 use crate::config::PostgresSettings;
@@ -362,6 +378,406 @@ async fn fresh_rows(
         let e = tokens::existing(row)?;
         let gen = e.gen;
         out.push((id, (ConsumeRow::Existing(e), gen)));
+    }
+    Ok(out)
+}
+
+/// A result or a release of a consumed token or client key.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FinishItem {
+    /// [`tokens::set_result_versioned`]'s arguments.
+    Result {
+        id: i64,
+        result: Json,
+        detail: Option<Json>,
+        of_request: Option<String>,
+    },
+    /// [`tokens::release_with`]'s arguments.
+    Release {
+        id: i64,
+        detail: Option<Json>,
+        of_request: Option<String>,
+    },
+}
+
+impl FinishItem {
+    fn id(&self) -> i64 {
+        match self {
+            FinishItem::Result { id, .. } | FinishItem::Release { id, .. } => *id,
+        }
+    }
+}
+
+/// What a [`FinishItem`] did: its statement's answer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Finished {
+    Result(ResultDecided),
+    Release(ReleaseRow),
+}
+
+type FinishAnswer = Result<Finished, DurableError>;
+
+/// Results and releases, sent at once or in batches, as [`ConsumeBatcher`]
+/// sends consumes: one queue for both, keyed by id (a result and a release
+/// of one token never run at once), the consumes' limits, one statement
+/// per batch ([`finish_batch`]) with an answer per item, a refused batch
+/// decided item by item, an unknown outcome answered to each item.
+#[derive(Debug)]
+pub struct FinishBatcher {
+    queue: GroupCommit<Finishes>,
+}
+
+/// How a batch of results and releases is decided.
+struct Finishes {
+    pools: Pools,
+}
+
+impl FinishBatcher {
+    /// `clock` times the queue bound; the batches run on `off_path`.
+    pub fn new(
+        pools: Pools,
+        metrics: Arc<Metrics>,
+        settings: &PostgresSettings,
+        clock: Arc<dyn Clock>,
+        off_path: OffPath,
+    ) -> FinishBatcher {
+        let limits = Limits::for_pool(
+            settings.consume_batch_size,
+            settings.consume_batches_in_flight,
+            settings.pool_size,
+            settings.acquire_timeout,
+        );
+        FinishBatcher {
+            queue: GroupCommit::new(
+                Finishes { pools },
+                limits,
+                metrics.pg_finish_queue.clone(),
+                metrics.pg_finish_batch_size.clone(),
+                clock,
+                off_path,
+            ),
+        }
+    }
+
+    /// Records a result, as [`tokens::set_result_versioned`] does.
+    pub async fn result(
+        &self,
+        id: i64,
+        result: &Json,
+        detail: Option<&Json>,
+        of_request: Option<&str>,
+    ) -> Result<ResultDecided, DurableError> {
+        let item = || FinishItem::Result {
+            id,
+            result: result.clone(),
+            detail: detail.cloned(),
+            of_request: of_request.map(str::to_owned),
+        };
+        match self.finish(id, item).await? {
+            Finished::Result(r) => Ok(r),
+            // Never: a batch answers each item in its own kind.
+            Finished::Release(_) => Err(DurableError::Batch(None)),
+        }
+    }
+
+    /// Releases, as [`tokens::release_with`] does.
+    pub async fn release(
+        &self,
+        id: i64,
+        detail: Option<&Json>,
+        of_request: Option<&str>,
+    ) -> Result<ReleaseRow, DurableError> {
+        let item = || FinishItem::Release {
+            id,
+            detail: detail.cloned(),
+            of_request: of_request.map(str::to_owned),
+        };
+        match self.finish(id, item).await? {
+            Finished::Release(r) => Ok(r),
+            Finished::Result(_) => Err(DurableError::Batch(None)),
+        }
+    }
+
+    async fn finish(&self, id: i64, item: impl Fn() -> FinishItem) -> FinishAnswer {
+        match self.queue.enter([id], &item) {
+            // The slot is given back when this is done or dropped.
+            Turn::Now(_slot) => self.queue.work().single(&item()).await,
+            // The batch task ended without answering (the runtime stopping).
+            Turn::Queued(answer) => answer
+                .await
+                .unwrap_or_else(|_| Err(DurableError::Batch(None))),
+        }
+    }
+}
+
+impl Work for Finishes {
+    type Key = i64;
+    type Keys = [i64; 1];
+    type Item = FinishItem;
+    type Answer = FinishAnswer;
+
+    fn keys(item: &FinishItem) -> [i64; 1] {
+        [item.id()]
+    }
+
+    fn waited_too_long() -> FinishAnswer {
+        Err(DurableError::Unavailable(sqlx::Error::PoolTimedOut))
+    }
+
+    /// By id: every batch locks its rows in id order.
+    fn batch_order(a: &FinishItem, b: &FinishItem) -> Ordering {
+        a.id().cmp(&b.id())
+    }
+
+    async fn run(&self, items: Vec<FinishItem>, _slot: Slot<Self>) -> Vec<FinishAnswer> {
+        if let [item] = items.as_slice() {
+            return vec![self.single(item).await];
+        }
+        let refs: Vec<&FinishItem> = items.iter().collect();
+        match self
+            .pools
+            .bounded(finish_batch(&self.pools.hot, &refs))
+            .await
+        {
+            Ok(answers) => answers,
+            // Refused by Postgres (nothing of the batch committed): each
+            // item is decided alone.
+            Err(DurableError::Other(sqlx::Error::Database(db))) => {
+                tracing::warn!(error = %db, items = items.len(), "postgres refused a result/release batch: its items are decided one by one");
+                let mut answers = Vec::with_capacity(items.len());
+                for item in &items {
+                    answers.push(self.single(item).await);
+                }
+                answers
+            }
+            // Unavailable, timed out, or an answer we could not read.
+            Err(e) => {
+                tracing::debug!(error = %e, items = items.len(), "result/release batch failed");
+                let cause = Arc::new(e);
+                items
+                    .iter()
+                    .map(|_| Err(DurableError::Batch(Some(cause.clone()))))
+                    .collect()
+            }
+        }
+    }
+}
+
+impl Finishes {
+    async fn single(&self, item: &FinishItem) -> FinishAnswer {
+        let pool = &self.pools.hot;
+        match item {
+            FinishItem::Result {
+                id,
+                result,
+                detail,
+                of_request,
+            } => self
+                .pools
+                .bounded(tokens::set_result_versioned(
+                    pool,
+                    *id,
+                    result,
+                    detail.as_ref(),
+                    of_request.as_deref(),
+                ))
+                .await
+                .map(Finished::Result),
+            FinishItem::Release {
+                id,
+                detail,
+                of_request,
+            } => self
+                .pools
+                .bounded(tokens::release_with(
+                    pool,
+                    *id,
+                    detail.as_ref(),
+                    of_request.as_deref(),
+                ))
+                .await
+                .map(Finished::Release),
+        }
+    }
+}
+
+/// Decides a batch of results and releases (distinct ids, sorted by id) in
+/// one statement: for each item, in order, what
+/// [`tokens::set_result_versioned`] or [`tokens::release_with`] would
+/// answer it (the same updates and audit rows; the rows neither changed
+/// read afterwards, in one read). Exposed for the tests; the service goes
+/// through [`FinishBatcher`].
+///
+/// `Err` only when the statement failed: then nothing of the batch
+/// committed. Once it succeeded, an item it did not change whose read
+/// after it fails gets that error on its own.
+pub async fn finish_batch(
+    pool: &PgPool,
+    items: &[&FinishItem],
+) -> Result<Vec<FinishAnswer>, DurableError> {
+    let n = items.len();
+    let (mut ids, mut rel, mut results, mut details, mut rids) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    for it in items {
+        let (result, detail, of_request) = match it {
+            FinishItem::Result {
+                result,
+                detail,
+                of_request,
+                ..
+            } => (Some(result.to_string()), detail, of_request),
+            FinishItem::Release {
+                detail, of_request, ..
+            } => (None, detail, of_request),
+        };
+        ids.push(it.id());
+        rel.push(matches!(it, FinishItem::Release { .. }));
+        results.push(result);
+        details.push(detail.as_ref().map(Json::to_string));
+        rids.push(of_request.as_deref());
+    }
+    // The rows are locked in id order first (`lk`), as every consume batch
+    // locks them, so that batches of both kinds never deadlock; then the
+    // single statements' updates and audit rows, per item.
+    let rows = super::fetch_all(pool, || {
+        sqlx::query(
+            r#"
+        WITH r AS (
+            SELECT * FROM UNNEST($1::bigint[], $2::bool[], $3::text[], $4::text[], $5::text[])
+                       AS r(id, rel, result, detail, of_request)
+        ), lk AS (
+            SELECT t.id FROM tokens t WHERE t.id = ANY($1) ORDER BY t.id FOR UPDATE
+        ), upd AS (
+            UPDATE tokens t SET result = r.result::jsonb, result_at = now()
+              FROM r
+             WHERE NOT r.rel AND t.id = r.id AND t.id IN (SELECT id FROM lk)
+               AND t.state = 'consumed' AND t.result IS NULL
+               AND (r.of_request IS NULL OR t.request_id = r.of_request)
+            RETURNING t.id, t.token, t.key, t.subject, t.biz_type, t.client, t.state, t.consumed_at,
+                      t.fingerprint, t.request_id, t.result, t.order_id, t.expires_at, t.gen,
+                      t.result_at, r.detail::jsonb AS detail
+        ), rel AS (
+            UPDATE tokens t
+               SET state = 'issued', gen = t.gen + 1, consumed_at = NULL, fingerprint = NULL,
+                   request_id = NULL,
+                   -- A key dates its release here (see V6).
+                   expires_at = CASE WHEN t.key IS NULL THEN t.expires_at ELSE now() END
+              FROM r
+             WHERE r.rel AND t.id = r.id AND t.id IN (SELECT id FROM lk)
+               AND t.state = 'consumed' AND t.result IS NULL AND t.order_id IS NULL
+               AND (r.of_request IS NULL OR t.request_id = r.of_request)
+            RETURNING t.id, t.token, t.key, t.subject, t.biz_type, t.client, t.expires_at, t.gen,
+                      r.detail::jsonb AS detail
+        ), audit_result AS (
+            INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, client, gen, detail)
+            SELECT u.result_at, CASE WHEN u.key IS NULL THEN 'token.result' ELSE 'key.result' END::audit_kind,
+                   u.id, CASE WHEN u.key IS NULL THEN u.token END, nullif(u.subject, ''), u.biz_type,
+                   u.client, u.gen, jsonb_build_object('result', u.result) || CASE WHEN u.key IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('key', u.key) END
+                   || COALESCE(u.detail, '{}'::jsonb)
+              FROM upd u
+             ORDER BY u.id
+            ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
+        ), audit_release AS (
+            INSERT INTO audit_events (kind, token_id, token, subject, biz_type, client, gen, detail)
+            SELECT CASE WHEN l.key IS NULL THEN 'token.released' ELSE 'key.released' END::audit_kind,
+                   l.id, CASE WHEN l.key IS NULL THEN l.token END, nullif(l.subject, ''), l.biz_type,
+                   l.client, l.gen,
+                   CASE WHEN l.key IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('key', l.key) END
+                   || COALESCE(l.detail, '{}'::jsonb)
+              FROM rel l
+             ORDER BY l.id
+            ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
+        )
+        SELECT u.id, false AS released, u.state, u.consumed_at, u.fingerprint, u.request_id,
+               u.result, u.order_id, u.expires_at, u.gen
+          FROM upd u
+        UNION ALL
+        SELECT l.id, true, 'issued'::token_state, NULL::timestamptz, NULL::text, NULL::text,
+               NULL::jsonb, NULL::text, l.expires_at, l.gen
+          FROM rel l
+        "#,
+        )
+        .bind(&ids)
+        .bind(&rel)
+        .bind(&results)
+        .bind(&details)
+        .bind(&rids)
+    })
+    .await?;
+    let mut decided: HashMap<i64, Finished> = HashMap::with_capacity(n);
+    for row in &rows {
+        let id: i64 = row.try_get("id")?;
+        let answer = if row.try_get::<bool, _>("released")? {
+            Finished::Release(ReleaseRow::Released {
+                expires_at: row.try_get("expires_at")?,
+                gen: row.try_get("gen")?,
+            })
+        } else {
+            Finished::Result(ResultDecided::Recorded(tokens::existing(row)?))
+        };
+        decided.insert(id, answer);
+    }
+    // Not changed: the row as it is now, as the single statements read it.
+    let unchanged: Vec<i64> = ids
+        .iter()
+        .copied()
+        .filter(|id| !decided.contains_key(id))
+        .collect();
+    let mut found: HashMap<i64, Existing> = HashMap::new();
+    let mut read_failed: Option<Arc<DurableError>> = None;
+    if !unchanged.is_empty() {
+        match read_rows(pool, &unchanged).await {
+            Ok(rows) => found = rows,
+            Err(e) => {
+                tracing::debug!(error = %e, items = unchanged.len(), "the read after a result/release batch failed");
+                read_failed = Some(Arc::new(e));
+            }
+        }
+    }
+    Ok(items
+        .iter()
+        .map(|it| {
+            let id = it.id();
+            if let Some(answer) = decided.remove(&id) {
+                return Ok(answer);
+            }
+            if let Some(cause) = &read_failed {
+                return Err(DurableError::Batch(Some(cause.clone())));
+            }
+            let e = found.remove(&id);
+            Ok(match it {
+                FinishItem::Result { .. } => Finished::Result(match e {
+                    Some(e) => ResultDecided::Existing(e),
+                    None => ResultDecided::Unknown,
+                }),
+                FinishItem::Release { .. } => Finished::Release(match e {
+                    Some(e) => ReleaseRow::Existing(e),
+                    None => ReleaseRow::Unknown,
+                }),
+            })
+        })
+        .collect())
+}
+
+/// The rows of `ids` as [`tokens::find`] reads them.
+async fn read_rows(pool: &PgPool, ids: &[i64]) -> Result<HashMap<i64, Existing>, DurableError> {
+    let rows = super::fetch_all(pool, || {
+        sqlx::query(
+            "SELECT id, state, consumed_at, fingerprint, request_id, result, order_id, expires_at,
+                    gen, uncertain_since
+               FROM tokens WHERE id = ANY($1)",
+        )
+        .bind(ids)
+    })
+    .await?;
+    let mut out = HashMap::with_capacity(rows.len());
+    for row in &rows {
+        out.insert(row.try_get("id")?, tokens::existing(row)?);
     }
     Ok(out)
 }

@@ -5,7 +5,9 @@
 //! (client, biz_type, key, id) decides first use versus duplicate, in one
 //! statement with its `key.consumed` audit row (the id is derived from the
 //! other three, and V16's partitioned `tokens` needs it in every unique
-//! index).
+//! index). Durable consumes of keys reach [`consume`] through the group
+//! commit of [`super::key_batch`], which decides a batch of them in one
+//! statement with the same answers.
 
 use chrono::{DateTime, Utc};
 use sqlx::{PgPool, Row};

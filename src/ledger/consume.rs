@@ -473,8 +473,8 @@ impl Ledger {
     }
 
     /// Postgres decides a consume (one statement): a durable token's
-    /// through the batcher, a key's through the unique index on (client,
-    /// biz type, key).
+    /// through the batcher, a key's through the key batcher (the unique
+    /// index on (client, biz type, key, id) decides).
     async fn decide_in_postgres(
         &self,
         held: &Held,
@@ -494,12 +494,8 @@ impl Ledger {
                 let d = timed(
                     &self.metrics,
                     "consume",
-                    self.pools.bounded(keys::consume(
-                        &self.pools.hot,
-                        &held.record,
-                        attempt.fingerprint,
-                        attempt.request_id,
-                    )),
+                    self.key_batcher
+                        .consume(&held.record, attempt.fingerprint, attempt.request_id),
                 )
                 .await?;
                 Ok(Decided {

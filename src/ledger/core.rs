@@ -16,7 +16,8 @@ use crate::auth::Client;
 use crate::clock::Clock;
 use crate::config::Settings;
 use crate::domain::{BizType, Subject};
-use crate::durable::batch::ConsumeBatcher;
+use crate::durable::batch::{ConsumeBatcher, FinishBatcher};
+use crate::durable::key_batch::KeyBatcher;
 use crate::durable::Pools;
 use crate::fast::breaker::Mode;
 use crate::fast::FastTier;
@@ -43,6 +44,10 @@ pub struct Ledger {
     pub(super) catch_up: Arc<CatchUp>,
     /// Durable consumes go to Postgres through it (group commit).
     pub(super) batcher: ConsumeBatcher,
+    /// Durable client-key consumes go to Postgres through it (group commit).
+    pub(super) key_batcher: KeyBatcher,
+    /// Results and releases Postgres decides go through it (group commit).
+    pub(super) finisher: FinishBatcher,
     /// The fleet's agreement on Redis: who decides fast types now.
     pub(super) fleet: Arc<Fleet>,
     /// Results and releases that waiting consumes wait for.
@@ -84,9 +89,25 @@ impl Ledger {
             clock.clone(),
             off_path.clone(),
         );
+        let key_batcher = KeyBatcher::new(
+            pools.clone(),
+            metrics.clone(),
+            &settings.postgres,
+            clock.clone(),
+            off_path.clone(),
+        );
+        let finisher = FinishBatcher::new(
+            pools.clone(),
+            metrics.clone(),
+            &settings.postgres,
+            clock.clone(),
+            off_path.clone(),
+        );
         Ledger {
             changes,
             batcher,
+            key_batcher,
+            finisher,
             fleet,
             off_path,
             catch_up: Arc::new(catch_up),

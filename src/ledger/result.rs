@@ -166,13 +166,8 @@ impl Ledger {
         let row = timed(
             &self.metrics,
             "result",
-            self.pools.bounded(tokens::set_result_versioned(
-                &self.pools.hot,
-                id,
-                result,
-                detail.as_ref(),
-                held.of_request.as_deref(),
-            )),
+            self.finisher
+                .result(id, result, detail.as_ref(), held.of_request.as_deref()),
         )
         .await
         .map_err(LedgerError::postgres)?;
@@ -540,12 +535,8 @@ impl Ledger {
         let row = timed(
             &self.metrics,
             "release",
-            self.pools.bounded(tokens::release_with(
-                &self.pools.hot,
-                id,
-                detail,
-                held.of_request.as_deref(),
-            )),
+            self.finisher
+                .release(id, detail, held.of_request.as_deref()),
         )
         .await
         .map_err(LedgerError::postgres)?;

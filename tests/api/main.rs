@@ -29,6 +29,7 @@ mod helpers;
 mod idle_connections;
 mod issue;
 mod journal;
+mod key_batching;
 mod keys;
 mod leases;
 mod link;

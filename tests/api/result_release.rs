@@ -613,3 +613,378 @@ async fn a_result_holding_nul_is_400_for_every_biz_type() {
     }
     app.stop().await;
 }
+
+// ---- group commit of results and releases (`durable::batch::FinishBatcher`) ----
+
+fn finish_record(id: i64) -> idempotency_ledger::durable::tokens::TokenRecord {
+    let now = chrono::Utc::now();
+    idempotency_ledger::durable::tokens::TokenRecord {
+        id,
+        token: format!("order_test_{id}"),
+        biz_type: "order".into(),
+        durability: idempotency_ledger::config::Durability::Durable,
+        subject: format!("u-{id}"),
+        client: "payments".into(),
+        issued_at: now - chrono::Duration::seconds(10),
+        expires_at: now + chrono::Duration::hours(1),
+        key: None,
+    }
+}
+
+/// What a result or release answered, without Postgres's clock.
+fn finish_shape(f: &idempotency_ledger::durable::batch::Finished) -> Value {
+    use idempotency_ledger::durable::batch::Finished;
+    use idempotency_ledger::durable::tokens::{Existing, ReleaseRow, ResultDecided};
+    let existing = |e: &Existing| json!([format!("{:?}", e.state), e.request_id, e.result, e.gen]);
+    match f {
+        Finished::Result(ResultDecided::Recorded(e)) => json!(["recorded", existing(e)]),
+        Finished::Result(ResultDecided::Existing(e)) => json!(["result-existing", existing(e)]),
+        Finished::Result(ResultDecided::Unknown) => json!(["result-unknown"]),
+        Finished::Release(ReleaseRow::Released { gen, .. }) => json!(["released", gen]),
+        Finished::Release(ReleaseRow::Existing(e)) => json!(["release-existing", existing(e)]),
+        Finished::Release(ReleaseRow::Unknown) => json!(["release-unknown"]),
+    }
+}
+
+/// One batch statement of results and releases answers each item exactly
+/// as the single statements answer its twin: a result recorded, one on an
+/// issued token, one on a token with a result, one naming another
+/// request's consume, one on no row; a release done, one of a token with a
+/// result, one naming another request, one of no row; with the same audit
+/// rows (kinds, generations, details).
+#[tokio::test]
+async fn one_result_and_release_batch_answers_each_item_as_the_single_statements_do() {
+    use idempotency_ledger::durable::batch::{finish_batch, FinishItem, Finished};
+    use idempotency_ledger::durable::tokens;
+    let app = spawn_app().await;
+    let pg = app.pg().await;
+    let paid = json!({"payment_id": "p-1"});
+    let other = json!({"payment_id": "p-0"});
+    let by = json!({"by": "ops", "reason": "test"});
+    // (offset, prior state, item)
+    let cases = |base: i64| -> Vec<(i64, &'static str, FinishItem)> {
+        let result = |i: i64, rid: Option<&str>, detail: Option<&Value>| FinishItem::Result {
+            id: base + i,
+            result: paid.clone(),
+            detail: detail.cloned(),
+            of_request: rid.map(str::to_owned),
+        };
+        let release = |i: i64, rid: Option<&str>, detail: Option<&Value>| FinishItem::Release {
+            id: base + i,
+            detail: detail.cloned(),
+            of_request: rid.map(str::to_owned),
+        };
+        vec![
+            (1, "consumed", result(1, Some("r-first"), None)),
+            (2, "consumed", result(2, None, Some(&by))),
+            (3, "issued", result(3, None, None)),
+            (4, "resulted", result(4, None, None)),
+            (5, "consumed", result(5, Some("r-other"), None)),
+            (6, "none", result(6, None, None)),
+            (7, "consumed", release(7, Some("r-first"), None)),
+            (8, "consumed", release(8, None, Some(&by))),
+            (9, "resulted", release(9, None, None)),
+            (10, "consumed", release(10, Some("r-other"), None)),
+            (11, "none", release(11, None, None)),
+        ]
+    };
+    for base in [100, 200] {
+        for (i, prior, _) in cases(base) {
+            let rec = finish_record(base + i);
+            if prior == "none" {
+                continue;
+            }
+            tokens::insert_issued(&pg, std::slice::from_ref(&rec), uuid::Uuid::nil(), &[])
+                .await
+                .unwrap();
+            if prior == "issued" {
+                continue;
+            }
+            tokens::consume(&pg, &rec, Some("sha256:f"), Some("r-first"))
+                .await
+                .unwrap();
+            if prior == "resulted" {
+                tokens::set_result(&pg, rec.id, &other).await.unwrap();
+            }
+        }
+    }
+    let batch: Vec<FinishItem> = cases(100).into_iter().map(|(_, _, it)| it).collect();
+    let refs: Vec<&FinishItem> = batch.iter().collect();
+    let batched: Vec<Value> = finish_batch(&pg, &refs)
+        .await
+        .unwrap()
+        .iter()
+        .map(|a| finish_shape(a.as_ref().unwrap()))
+        .collect();
+    let mut single = Vec::new();
+    for (_, _, it) in cases(200) {
+        let answer = match &it {
+            FinishItem::Result {
+                id,
+                result,
+                detail,
+                of_request,
+            } => Finished::Result(
+                tokens::set_result_versioned(
+                    &pg,
+                    *id,
+                    result,
+                    detail.as_ref(),
+                    of_request.as_deref(),
+                )
+                .await
+                .unwrap(),
+            ),
+            FinishItem::Release {
+                id,
+                detail,
+                of_request,
+            } => Finished::Release(
+                tokens::release_with(&pg, *id, detail.as_ref(), of_request.as_deref())
+                    .await
+                    .unwrap(),
+            ),
+        };
+        single.push(finish_shape(&answer));
+    }
+    assert_eq!(batched, single);
+    let consumed = |result: Value| json!(["Consumed", "r-first", result, 1]);
+    assert_eq!(
+        batched,
+        vec![
+            json!(["recorded", consumed(paid.clone())]),
+            json!(["recorded", consumed(paid.clone())]),
+            json!(["result-existing", ["Issued", null, null, 0]]),
+            json!(["result-existing", consumed(other.clone())]),
+            json!(["result-existing", consumed(Value::Null)]),
+            json!(["result-unknown"]),
+            json!(["released", 2]),
+            json!(["released", 2]),
+            json!(["release-existing", consumed(other.clone())]),
+            json!(["release-existing", consumed(Value::Null)]),
+            json!(["release-unknown"]),
+        ]
+    );
+    let audits = |lo: i64| {
+        let pg = pg.clone();
+        async move {
+            let rows: Vec<(i64, String, Option<i64>, Value)> = sqlx::query_as(
+                "SELECT token_id - $1, kind::text, gen, detail FROM audit_events
+                  WHERE token_id BETWEEN $1 AND $1 + 99
+                    AND kind IN ('token.result', 'token.released')
+                  ORDER BY 1, 2, 3",
+            )
+            .bind(lo)
+            .fetch_all(&pg)
+            .await
+            .unwrap();
+            rows
+        }
+    };
+    let batch_audits = audits(100).await;
+    assert_eq!(batch_audits, audits(200).await);
+    assert_eq!(batch_audits.len(), 6, "{batch_audits:?}");
+    app.stop().await;
+}
+
+/// 40 durable tokens consumed, then their results (even) and releases (odd)
+/// fired together with one statement in flight at a time: each answered as
+/// one at a time would be, and the rows were changed by fewer transactions
+/// than tokens (their `xmin`), the histogram showing batches of more than
+/// one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn results_and_releases_fired_together_are_decided_in_batches() {
+    let _heavy = heavy().await;
+    let app = std::sync::Arc::new(
+        spawn_app_on(
+            Stores::fresh()
+                .with("postgres.consume_batches_in_flight = 1\npostgres.acquire_timeout = \"10s\""),
+        )
+        .await,
+    );
+    const N: usize = 40;
+    let mut tokens = Vec::new();
+    for i in 0..N {
+        let subject = format!("u-{i}");
+        let token = app.issue(PAYMENTS, "order", &subject).await;
+        let (s, _, b) = consume(&app, &token, json!({"subject": subject})).await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+        tokens.push(token);
+    }
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(N));
+    let handles: Vec<_> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, token)| {
+            let (app, barrier, token) = (app.clone(), barrier.clone(), token.clone());
+            tokio::spawn(async move {
+                let subject = format!("u-{i}");
+                let (path, body) = if i.is_multiple_of(2) {
+                    (
+                        format!("/v1/tokens/{token}/result"),
+                        json!({"subject": subject, "result": {"n": i}}),
+                    )
+                } else {
+                    (
+                        format!("/v1/tokens/{token}/release"),
+                        json!({"subject": subject}),
+                    )
+                };
+                barrier.wait().await;
+                answer(app.post(PAYMENTS, &path, &body).await).await
+            })
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let (s, _, b) = h.await.unwrap();
+        assert_eq!(s, StatusCode::OK, "token {i}: {b}");
+    }
+    let pg = app.pg().await;
+    let rows: Vec<(String, Option<Value>, String)> = sqlx::query_as(
+        "SELECT state::text, result, xmin::text FROM tokens WHERE token = ANY($1) ORDER BY token COLLATE \"C\"",
+    )
+    .bind(&tokens)
+    .fetch_all(&pg)
+    .await
+    .unwrap();
+    let mut by_token: Vec<(&String, usize)> = tokens.iter().zip(0..).collect();
+    by_token.sort();
+    for ((state, result, _), (_, i)) in rows.iter().zip(&by_token) {
+        if i.is_multiple_of(2) {
+            assert_eq!(
+                (state.as_str(), result),
+                ("consumed", &Some(json!({"n": i})))
+            );
+        } else {
+            assert_eq!((state.as_str(), result), ("issued", &None));
+        }
+    }
+    let transactions: std::collections::HashSet<&String> = rows.iter().map(|r| &r.2).collect();
+    assert!(
+        transactions.len() < N,
+        "{} transactions for {N} results and releases",
+        transactions.len()
+    );
+    let text = app.metrics_text().await;
+    let count = crate::helpers::scrape::sample(&text, "ledger_pg_finish_batch_size_count", &[])
+        .expect("count");
+    let sum =
+        crate::helpers::scrape::sample(&text, "ledger_pg_finish_batch_size_sum", &[]).expect("sum");
+    assert!(
+        count < sum,
+        "{count} batches for {sum} results and releases"
+    );
+    std::sync::Arc::try_unwrap(app)
+        .ok()
+        .expect("sole owner")
+        .stop()
+        .await;
+}
+
+/// A result Postgres refuses (a constraint the schema gained: no result
+/// `{"n": 13}`) sits in a batch with ten releases and results of other
+/// tokens: the batch statement fails as a whole, its items are decided one
+/// by one, and only the refused one fails (500).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_result_postgres_refuses_fails_only_itself_in_a_batch() {
+    let app = std::sync::Arc::new(
+        spawn_app_on(Stores::fresh().with(
+            "postgres.consume_batches_in_flight = 1\npostgres.acquire_timeout = \"10s\"\npostgres.statement_timeout = \"20s\"",
+        ))
+        .await,
+    );
+    let pg = app.pg().await;
+    let mut tokens = Vec::new();
+    for i in 0..12 {
+        let subject = format!("u-{i}");
+        let token = app.issue(PAYMENTS, "order", &subject).await;
+        let (s, _, b) = consume(&app, &token, json!({"subject": subject})).await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+        tokens.push(token);
+    }
+    sqlx::query(
+        "ALTER TABLE tokens ADD CONSTRAINT test_refused_result
+             CHECK (result IS NULL OR result <> '{\"n\": 13}'::jsonb) NOT VALID",
+    )
+    .execute(&pg)
+    .await
+    .unwrap();
+    // Token 0's result (the statement in flight) waits on a row lock held
+    // here, so the eleven calls after it queue for one batch.
+    let mut lock = pg.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM tokens WHERE token = $1 FOR UPDATE")
+        .bind(&tokens[0])
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let send = |i: usize, n: i64| {
+        let (app, token) = (app.clone(), tokens[i].clone());
+        tokio::spawn(async move {
+            let subject = format!("u-{i}");
+            let (path, body) = if n < 0 {
+                (
+                    format!("/v1/tokens/{token}/release"),
+                    json!({"subject": subject}),
+                )
+            } else {
+                (
+                    format!("/v1/tokens/{token}/result"),
+                    json!({"subject": subject, "result": {"n": n}}),
+                )
+            };
+            answer(app.post(PAYMENTS, &path, &body).await).await
+        })
+    };
+    let wait_for = |name: &'static str, n: f64| {
+        let app = app.clone();
+        async move {
+            eventually(10, || {
+                let app = app.clone();
+                async move {
+                    let text = app.metrics_text().await;
+                    (crate::helpers::scrape::sample(&text, name, &[]) == Some(n)).then_some(())
+                }
+            })
+            .await
+        }
+    };
+    let first = send(0, 0);
+    wait_for("ledger_pg_finish_batch_size_count", 1.0).await;
+    let refused = send(1, 13);
+    // Even: results; odd: releases.
+    let rest: Vec<_> = (2..12)
+        .map(|i| send(i, if i % 2 == 0 { i as i64 } else { -1 }))
+        .collect();
+    wait_for("ledger_pg_finish_queue", 11.0).await;
+    lock.commit().await.unwrap();
+
+    let (s, _, b) = first.await.unwrap();
+    assert_eq!(s, StatusCode::OK, "{b}");
+    for (i, h) in rest.into_iter().enumerate() {
+        let (s, _, b) = h.await.unwrap();
+        assert_eq!(s, StatusCode::OK, "token {}: {b}", i + 2);
+    }
+    let (s, _, b) = refused.await.unwrap();
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR, "{b}");
+    let text = app.metrics_text().await;
+    let sample = |le: &str| {
+        crate::helpers::scrape::sample(&text, "ledger_pg_finish_batch_size_bucket", &[("le", le)])
+            .expect("bucket")
+    };
+    assert!(
+        sample("16") > sample("8"),
+        "no batch of 9 to 16 items: {text}"
+    );
+    let (state, result): (String, Option<Value>) =
+        sqlx::query_as("SELECT state::text, result FROM tokens WHERE token = $1")
+            .bind(&tokens[1])
+            .fetch_one(&pg)
+            .await
+            .unwrap();
+    assert_eq!((state.as_str(), result), ("consumed", None));
+    std::sync::Arc::try_unwrap(app)
+        .ok()
+        .expect("sole owner")
+        .stop()
+        .await;
+}
