@@ -214,11 +214,13 @@ pub struct PostgresSettings {
     pub idle_timeout: Duration,
     /// The pool closes connections older than this once they are returned.
     pub max_lifetime: Duration,
-    /// The most durable consumes one statement decides (group commit, see
-    /// [`crate::durable::batch`]).
+    /// The most items one statement decides (group commit, see
+    /// [`crate::durable::batch`]): durable token consumes, and on queues of
+    /// their own durable key consumes ([`crate::durable::key_batch`]) and
+    /// results and releases decided by Postgres.
     pub consume_batch_size: usize,
-    /// How many durable consume statements run at once; consumes arriving
-    /// while that many are in flight wait for the next batch.
+    /// How many statements of each of those queues run at once; items
+    /// arriving while that many are in flight wait for the next batch.
     pub consume_batches_in_flight: usize,
     /// The most order events (on distinct orders) one transaction decides
     /// (see [`crate::orders`]'s batches).

@@ -23,7 +23,10 @@
 //! - `consume`: the consume script and what it answers;
 //! - `write`: the issue seed, write-backs of Postgres's decisions, result and
 //!   release of fast types;
-//! - `health`: the probe that closes the breaker, and the mode;
+//! - `breaker`: Redis's health as this instance sees it (the breaker, the
+//!   latency window on the clock's monotonic time) and the mode;
+//! - `health`: the probe that closes the breaker, and the mode as callers
+//!   see it;
 //! - `journal`: the journal stream; `record`: its entries' layout (field
 //!   names, the op, the one encoding into stream fields); `scan`: reading
 //!   and repairing keys for reconcile; `slots`: the cluster's slot map;

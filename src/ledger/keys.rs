@@ -8,7 +8,8 @@
 //! - a key's subject, when a consume names one, must be the one it was
 //!   created with (403 `token_mismatch`);
 //! - durable types: Redis claims, Postgres decides through the unique index
-//!   on (client, biz type, key) (`durable::keys::consume`), Redis learns
+//!   on (client, biz type, key, id) (`durable::keys::consume`, in a batch
+//!   of `durable::key_batch`), Redis learns
 //!   the decision afterwards. A consumed marker answers a plain duplicate
 //!   only to a call that names no subject (markers do not carry it);
 //! - fast types: Redis decides. A key Redis does not hold is first looked up
