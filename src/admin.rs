@@ -147,7 +147,7 @@ pub struct TokenView {
     pub fingerprint: Option<String>,
     pub request_id: Option<String>,
     /// Any JSON value, as recorded.
-    #[schema(schema_with = crate::http::openapi::any_json_or_null)]
+    #[schema(schema_with = crate::http::schema::any_json_or_null)]
     pub result: Option<Json>,
     /// Consume attempts answered `duplicate` (flushed every few seconds).
     pub duplicate_attempts: i64,
@@ -177,7 +177,7 @@ pub struct KeyView {
     pub fingerprint: Option<String>,
     pub request_id: Option<String>,
     /// Any JSON value, as recorded.
-    #[schema(schema_with = crate::http::openapi::any_json_or_null)]
+    #[schema(schema_with = crate::http::schema::any_json_or_null)]
     pub result: Option<Json>,
     /// Consume attempts answered `duplicate` (flushed every few seconds).
     pub duplicate_attempts: i64,

@@ -15,6 +15,7 @@ pub mod limits;
 pub mod openapi;
 pub mod ops;
 pub mod orders;
+pub mod schema;
 pub mod tokens;
 pub mod uncertain;
 
@@ -84,7 +85,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
     cfg.service(resource("/healthz", "GET").route(web::get().to(ops::healthz)))
         .service(resource("/readyz", "GET").route(web::get().to(ops::readyz)))
         .service(resource("/metrics", "GET").route(web::get().to(ops::metrics)))
-        .service(resource("/openapi.json", "GET").route(web::get().to(ops::openapi)))
+        .service(resource("/openapi.json", "GET").route(web::get().to(openapi::serve)))
         .service(resource("/console", "GET").route(web::get().to(console::index)))
         .service(resource("/console/", "GET").route(web::get().to(console::index)))
         .service(resource("/console/{asset}", "GET").route(web::get().to(console::file)))

@@ -8,29 +8,9 @@
 
 use std::time::{Duration, Instant};
 
-use super::conn::Redirect;
+use super::conn::{Lane, Redirect};
 use super::{Conn, FastError, FastTier};
 use crate::fast::breaker::Failure;
-
-/// Who waits on a call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Lane {
-    /// A request: `redis.timeout`, and the outcome is evidence of health.
-    Serving,
-    /// The breaker's probe and an idle instance's check: as [`Lane::Serving`]
-    /// (`redis.timeout`, evidence of health), but no request waits on it, so
-    /// it is not one of the serving path's lookups (`ledger_fast_tier_total`).
-    Health,
-    /// Background work: `redis.background_timeout`, no evidence.
-    Background,
-}
-
-impl Lane {
-    /// Whether the outcome is evidence of this instance's view of Redis.
-    pub(super) fn is_evidence(self) -> bool {
-        self != Lane::Background
-    }
-}
 
 /// `EVALSHA` of `script` naming `keys` keys, to which the caller adds the
 /// keys and arguments: one command whose arguments are written into one

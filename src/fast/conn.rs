@@ -15,10 +15,29 @@ use redis::{
     RedisResult, ServerErrorKind, Value,
 };
 
-use super::call::Lane;
 use super::{FastError, FastTier};
 use crate::config::RedisTopology;
 use crate::fast::breaker::Failure;
+
+/// Who waits on a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Lane {
+    /// A request: `redis.timeout`, and the outcome is evidence of health.
+    Serving,
+    /// The breaker's probe and an idle instance's check: as [`Lane::Serving`]
+    /// (`redis.timeout`, evidence of health), but no request waits on it, so
+    /// it is not one of the serving path's lookups (`ledger_fast_tier_total`).
+    Health,
+    /// Background work: `redis.background_timeout`, no evidence.
+    Background,
+}
+
+impl Lane {
+    /// Whether the outcome is evidence of this instance's view of Redis.
+    pub(super) fn is_evidence(self) -> bool {
+        self != Lane::Background
+    }
+}
 
 /// A connection to a standalone Redis or a cluster.
 #[derive(Clone)]

@@ -1,7 +1,8 @@
 //! The consume script: one attempt on one token's key, and its reply
 //! (the outcome, the key's generation, Redis's clock).
 
-use super::call::{evalsha, run_script, Lane};
+use super::call::{evalsha, run_script};
+use super::conn::Lane;
 use super::write::Writeback;
 use super::{FastError, FastTier, Record};
 

@@ -3,7 +3,7 @@
 
 use redis::Value;
 
-use super::call::Lane;
+use super::conn::Lane;
 use super::FastTier;
 use crate::fast::breaker::{Health, Mode};
 

@@ -6,7 +6,8 @@
 use redis::aio::ConnectionLike;
 use redis::{ServerErrorKind, Value};
 
-use super::call::{evalsha, run_script, Lane};
+use super::call::{evalsha, run_script};
+use super::conn::Lane;
 use super::record::OfConsume;
 use super::route::{At, Routed};
 use super::slots::Primary;

@@ -91,7 +91,7 @@ pub enum KeyConsumeResponse {
         #[schema(value_type = Option<String>, format = DateTime)]
         consumed_at: Option<String>,
         /// Any JSON value (object, array, string, number, boolean).
-        #[schema(schema_with = crate::http::openapi::any_json_or_null)]
+        #[schema(schema_with = crate::http::schema::any_json_or_null)]
         result: Option<Json>,
     },
 }
@@ -289,7 +289,7 @@ pub struct KeyStateResponse {
     #[schema(value_type = Option<String>, format = DateTime)]
     pub consumed_at: Option<String>,
     /// Any JSON value, as recorded.
-    #[schema(schema_with = crate::http::openapi::any_json_or_null)]
+    #[schema(schema_with = crate::http::schema::any_json_or_null)]
     pub result: Option<Json>,
 }
 

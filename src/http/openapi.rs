@@ -1,5 +1,7 @@
-//! The OpenAPI 3 description, generated from the handlers' annotations.
+//! The OpenAPI 3 description, generated from the handlers' annotations, and
+//! the route that serves it.
 
+use actix_web::HttpResponse;
 use utoipa::openapi::header::HeaderBuilder;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{ObjectBuilder, RefOr, ResponseBuilder, Type};
@@ -7,6 +9,12 @@ use utoipa::{Modify, OpenApi};
 
 use super::error::Code;
 use super::{admin, audit_seal, keys, ops, orders, tokens, uncertain, ErrorBody};
+
+/// This document.
+#[utoipa::path(get, path = "/openapi.json", operation_id = "openapiSpec", tag = "operations", responses((status = 200, description = "OpenAPI 3 description", body = Object, example = json!({"openapi": "3.1.0", "info": {"title": "idempotency-ledger", "version": "0.1.0"}, "paths": {}}))))]
+pub async fn serve() -> HttpResponse {
+    HttpResponse::Ok().json(ApiDoc::openapi())
+}
 
 #[derive(OpenApi)]
 #[openapi(
@@ -20,7 +28,7 @@ use super::{admin, audit_seal, keys, ops, orders, tokens, uncertain, ErrorBody};
         keys::consume, keys::result, keys::release, keys::get,
         tokens::state,
         orders::create, orders::get, orders::pay, orders::refund, orders::close,
-        ops::healthz, ops::readyz, ops::metrics, ops::openapi,
+        ops::healthz, ops::readyz, ops::metrics, serve,
         admin::token, admin::key, admin::release, admin::release_key, admin::audit, admin::stats, admin::run_reconcile, admin::reconcile_runs,
         uncertain::list, uncertain::token_result, uncertain::key_result,
     ),
@@ -317,18 +325,6 @@ fn constrain(name: &str, o: &mut utoipa::openapi::schema::Object) {
         o.minimum = Some(1f64.into());
         o.maximum = Some(1e15f64.into());
     }
-}
-
-/// A recorded result: any JSON value, or null while there is none. Typeless,
-/// so that `null` matches it once (a `oneOf` of null and any value would
-/// match null twice, and a validator rejects it).
-pub fn any_json_or_null() -> utoipa::openapi::schema::Object {
-    ObjectBuilder::new()
-        .schema_type(utoipa::openapi::schema::SchemaType::AnyValue)
-        .description(Some(
-            "The recorded result: any JSON value (object, array, string, number, boolean), or null while there is none",
-        ))
-        .build()
 }
 
 /// A string schema holding exactly `values`, taken from a Rust enum's `ALL`

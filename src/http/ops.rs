@@ -1,11 +1,11 @@
-//! Operations routes: liveness, readiness (with the mode), Prometheus metrics
-//! and the OpenAPI description.
+//! Operations routes: liveness, readiness (with the mode) and Prometheus
+//! metrics (the OpenAPI description is served by [`super::openapi`]).
 
 use std::time::Duration;
 
 use actix_web::{web, HttpResponse};
 use serde::Serialize;
-use utoipa::{OpenApi, ToSchema};
+use utoipa::ToSchema;
 
 use super::AppState;
 use crate::fast::breaker::Mode;
@@ -97,10 +97,4 @@ pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
         .body(state.ledger.metrics().render())
-}
-
-/// This document.
-#[utoipa::path(get, path = "/openapi.json", operation_id = "openapiSpec", tag = "operations", responses((status = 200, description = "OpenAPI 3 description", body = Object, example = json!({"openapi": "3.1.0", "info": {"title": "idempotency-ledger", "version": "0.1.0"}, "paths": {}}))))]
-pub async fn openapi() -> HttpResponse {
-    HttpResponse::Ok().json(super::openapi::ApiDoc::openapi())
 }

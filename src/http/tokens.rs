@@ -215,7 +215,7 @@ pub enum ConsumeResponse {
         #[schema(value_type = Option<String>, format = DateTime)]
         consumed_at: Option<String>,
         /// Any JSON value (object, array, string, number, boolean).
-        #[schema(schema_with = crate::http::openapi::any_json_or_null)]
+        #[schema(schema_with = crate::http::schema::any_json_or_null)]
         result: Option<Json>,
     },
 }
@@ -426,7 +426,7 @@ pub struct TokenStateResponse {
     pub consumed_at: Option<String>,
     /// The recorded result (any JSON value), once there is one: `consumed`
     /// with a result is `completed`, without one `processing`.
-    #[schema(schema_with = crate::http::openapi::any_json_or_null)]
+    #[schema(schema_with = crate::http::schema::any_json_or_null)]
     pub result: Option<Json>,
 }
 
