@@ -167,38 +167,59 @@ impl Work for Consumes {
     }
 
     async fn run(&self, items: Vec<ConsumeItem>, _slot: Slot<Self>) -> Vec<Answer> {
-        if let [item] = items.as_slice() {
-            return vec![self.single(item).await];
+        decide_items(
+            "consume",
+            &items,
+            |item| self.single(item),
+            |refs| async move {
+                self.pools
+                    .bounded(consume_batch(&self.pools.hot, &refs))
+                    .await
+            },
+        )
+        .await
+    }
+}
+
+/// How every durable batcher decides what its queue hands it: one item
+/// alone (`single`), more in one statement (`batch`, an answer per item).
+/// A statement Postgres refuses (an error it raised, which rolled the
+/// statement back: nothing of the batch committed) is decided again item by
+/// item, each with its own answer; any other failure (unavailable, timed
+/// out, an answer that could not be read, after a commit maybe) is every
+/// item's, as the single statement's would have been.
+pub(super) async fn decide_items<'a, I, T, S, SF, B, BF>(
+    what: &str,
+    items: &'a [I],
+    single: S,
+    batch: B,
+) -> Vec<Result<T, DurableError>>
+where
+    S: Fn(&'a I) -> SF,
+    SF: std::future::Future<Output = Result<T, DurableError>>,
+    B: FnOnce(Vec<&'a I>) -> BF,
+    BF: std::future::Future<Output = Result<Vec<Result<T, DurableError>>, DurableError>>,
+{
+    if let [item] = items {
+        return vec![single(item).await];
+    }
+    match batch(items.iter().collect()).await {
+        Ok(answers) => answers,
+        Err(DurableError::Other(sqlx::Error::Database(db))) => {
+            tracing::warn!(error = %db, items = items.len(), "postgres refused a {what} batch: its items are decided one by one");
+            let mut answers = Vec::with_capacity(items.len());
+            for item in items {
+                answers.push(single(item).await);
+            }
+            answers
         }
-        let refs: Vec<&ConsumeItem> = items.iter().collect();
-        match self
-            .pools
-            .bounded(consume_batch(&self.pools.hot, &refs))
-            .await
-        {
-            Ok(answers) => answers,
-            // Refused by Postgres: an error of the claim statement, which
-            // rolled it back (nothing of the batch committed). Something an item holds, most likely: each is
-            // decided alone, with its own answer.
-            Err(DurableError::Other(sqlx::Error::Database(db))) => {
-                tracing::warn!(error = %db, items = items.len(), "postgres refused a consume batch: its items are decided one by one");
-                let mut answers = Vec::with_capacity(items.len());
-                for item in &items {
-                    answers.push(self.single(item).await);
-                }
-                answers
-            }
-            // Unavailable, timed out, or an answer we could not read (after
-            // a commit, maybe): every item gets it, as the single statement
-            // would have.
-            Err(e) => {
-                tracing::debug!(error = %e, items = items.len(), "consume batch failed");
-                let cause = Arc::new(e);
-                items
-                    .iter()
-                    .map(|_| Err(DurableError::Batch(Some(cause.clone()))))
-                    .collect()
-            }
+        Err(e) => {
+            tracing::debug!(error = %e, items = items.len(), "{what} batch failed");
+            let cause = Arc::new(e);
+            items
+                .iter()
+                .map(|_| Err(DurableError::Batch(Some(cause.clone()))))
+                .collect()
         }
     }
 }
@@ -530,36 +551,17 @@ impl Work for Finishes {
     }
 
     async fn run(&self, items: Vec<FinishItem>, _slot: Slot<Self>) -> Vec<FinishAnswer> {
-        if let [item] = items.as_slice() {
-            return vec![self.single(item).await];
-        }
-        let refs: Vec<&FinishItem> = items.iter().collect();
-        match self
-            .pools
-            .bounded(finish_batch(&self.pools.hot, &refs))
-            .await
-        {
-            Ok(answers) => answers,
-            // Refused by Postgres (nothing of the batch committed): each
-            // item is decided alone.
-            Err(DurableError::Other(sqlx::Error::Database(db))) => {
-                tracing::warn!(error = %db, items = items.len(), "postgres refused a result/release batch: its items are decided one by one");
-                let mut answers = Vec::with_capacity(items.len());
-                for item in &items {
-                    answers.push(self.single(item).await);
-                }
-                answers
-            }
-            // Unavailable, timed out, or an answer we could not read.
-            Err(e) => {
-                tracing::debug!(error = %e, items = items.len(), "result/release batch failed");
-                let cause = Arc::new(e);
-                items
-                    .iter()
-                    .map(|_| Err(DurableError::Batch(Some(cause.clone()))))
-                    .collect()
-            }
-        }
+        decide_items(
+            "result/release",
+            &items,
+            |item| self.single(item),
+            |refs| async move {
+                self.pools
+                    .bounded(finish_batch(&self.pools.hot, &refs))
+                    .await
+            },
+        )
+        .await
     }
 }
 

@@ -35,6 +35,7 @@ use std::sync::Arc;
 
 use sqlx::{PgPool, Row};
 
+use super::batch::decide_items;
 use super::group::{GroupCommit, Limits, Slot, Turn, Work};
 use super::keys::{self, KeyConsumed};
 use super::tokens::{existing, ConsumeRow, TokenRecord, TokenState};
@@ -144,38 +145,17 @@ impl Work for KeyConsumes {
     }
 
     async fn run(&self, items: Vec<KeyItem>, _slot: Slot<Self>) -> Vec<Answer> {
-        if let [item] = items.as_slice() {
-            return vec![self.single(item).await];
-        }
-        let refs: Vec<&KeyItem> = items.iter().collect();
-        match self
-            .pools
-            .bounded(consume_key_batch(&self.pools.hot, &refs))
-            .await
-        {
-            Ok(answers) => answers,
-            // Refused by Postgres (nothing of the batch committed): what an
-            // item holds, or a first insert racing another instance's (a
-            // unique violation). Each is decided alone.
-            Err(DurableError::Other(sqlx::Error::Database(db))) => {
-                tracing::warn!(error = %db, items = items.len(), "postgres refused a key consume batch: its items are decided one by one");
-                let mut answers = Vec::with_capacity(items.len());
-                for item in &items {
-                    answers.push(self.single(item).await);
-                }
-                answers
-            }
-            // Unavailable, timed out, or an answer we could not read (after
-            // a commit, maybe): every item gets it.
-            Err(e) => {
-                tracing::debug!(error = %e, items = items.len(), "key consume batch failed");
-                let cause = Arc::new(e);
-                items
-                    .iter()
-                    .map(|_| Err(DurableError::Batch(Some(cause.clone()))))
-                    .collect()
-            }
-        }
+        decide_items(
+            "key consume",
+            &items,
+            |item| self.single(item),
+            |refs| async move {
+                self.pools
+                    .bounded(consume_key_batch(&self.pools.hot, &refs))
+                    .await
+            },
+        )
+        .await
     }
 }
 
