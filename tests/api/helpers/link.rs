@@ -10,8 +10,6 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-use super::free_port;
-
 /// What the link does with the bytes it carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LinkState {
@@ -33,10 +31,12 @@ pub struct Link {
 impl Link {
     /// A proxy on a free local port to `127.0.0.1:target`.
     pub async fn to(target: u16) -> Link {
-        let port = free_port();
-        let listener = TcpListener::bind(("127.0.0.1", port))
+        // Port 0: the kernel picks one that is free now (a port found free
+        // first and bound later can be taken by another test in between).
+        let listener = TcpListener::bind(("127.0.0.1", 0))
             .await
             .expect("link port");
+        let port = listener.local_addr().expect("link address").port();
         let (tx, _) = watch::channel(LinkState::Open);
         let state = Arc::new(tx);
         let st = state.clone();
