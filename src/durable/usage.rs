@@ -1,7 +1,8 @@
 //! The pools' use as Prometheus metrics, read from the pools themselves when
 //! `/metrics` is scraped (no query, no lock held across I/O):
 //! `ledger_pg_pool_connections{pool, state="idle"|"busy"}` and
-//! `ledger_pg_pool_max_connections{pool}`, for `hot` and `admin`.
+//! `ledger_pg_pool_max_connections{pool}`, for `hot` and `admin`, and `read`
+//! when the admin reads go to a replica (`postgres.read_url`).
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
@@ -23,7 +24,7 @@ impl PoolUsage {
         let connections = IntGaugeVec::new(
             Opts::new(
                 "ledger_pg_pool_connections",
-                "Open Postgres connections per pool (hot: the payment path; admin: audit and reconcile), idle or busy.",
+                "Open Postgres connections per pool (hot: the payment path; admin: audit and reconcile; read: the replica of postgres.read_url), idle or busy.",
             ),
             &["pool", "state"],
         )
@@ -31,15 +32,21 @@ impl PoolUsage {
         let max = IntGaugeVec::new(
             Opts::new(
                 "ledger_pg_pool_max_connections",
-                "The most connections a pool opens (postgres.pool_size, postgres.admin_pool_size).",
+                "The most connections a pool opens (postgres.pool_size; postgres.admin_pool_size, also for the read pool).",
             ),
             &["pool"],
         )
         .expect("valid metric");
         max.with_label_values(&["hot"]).set(i64::from(max_hot));
         max.with_label_values(&["admin"]).set(i64::from(max_admin));
+        let mut watched = vec![("hot", pools.hot.clone()), ("admin", pools.admin.clone())];
+        if pools.read_is_replica {
+            // The read pool has the admin pool's bounds.
+            max.with_label_values(&["read"]).set(i64::from(max_admin));
+            watched.push(("read", pools.read.clone()));
+        }
         PoolUsage {
-            pools: vec![("hot", pools.hot.clone()), ("admin", pools.admin.clone())],
+            pools: watched,
             connections,
             max,
         }

@@ -197,6 +197,7 @@ fn the_extraction_finds_the_names_and_ignores_label_values() {
         "ledger_request_duration_seconds_bucket",
         "ledger_fast_tier_total",
         "ledger_pg_pool_connections",
+        "ledger_postgres_replica_lag_seconds",
     ] {
         assert!(
             named.contains(agreed),
@@ -240,7 +241,8 @@ fn every_alert_has_a_for_a_severity_and_a_runbook_section() {
 
 /// Some families appear in the text only once observed: the requests below
 /// make every one of them appear (an issue rate of 1/s gives a 429, an
-/// instance without Redis bypasses it, a reconcile run records its findings).
+/// instance without Redis bypasses it, a reconcile run records its findings,
+/// an instance with `postgres.read_url` reports its replica).
 #[tokio::test]
 async fn every_metric_of_the_dashboard_and_alerts_is_exported() {
     let wanted = named_by_the_deploy_kit();
@@ -286,7 +288,11 @@ async fn every_metric_of_the_dashboard_and_alerts_is_exported() {
     assert_eq!(run.status(), 200, "a reconcile run");
     assert_eq!(app.get(PAYMENTS, "/v1/nowhere").await.status(), 404);
 
-    let cut_off = spawn_app_on(Stores::fresh().redis("redis://127.0.0.1:1")).await;
+    // This one also reads through `postgres.read_url` (its own primary: lag
+    // 0), which exports the read replica's metrics.
+    let stores = Stores::fresh().redis("redis://127.0.0.1:1");
+    let read_url = stores.db_url();
+    let cut_off = spawn_app_on(stores.with(&format!("postgres.read_url = \"{read_url}\""))).await;
     let durable = cut_off.issue(PAYMENTS, "order", "user-3").await;
     assert_eq!(
         cut_off

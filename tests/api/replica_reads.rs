@@ -51,11 +51,12 @@ async fn admin_reads_come_from_the_replica_and_say_how_stale_they_may_be() {
         (s == StatusCode::OK && v["state"] == "issued" && lag.is_some()).then_some(())
     })
     .await;
-    // The replica's lag gauge, read on scrape.
+    // The replica's lag gauge, read on scrape, and its pool's use.
     eventually(10, || async {
         let text = app.metrics_text().await;
         (text.contains("ledger_postgres_replica_up 1")
-            && text.contains("ledger_postgres_replica_lag_seconds"))
+            && text.contains("ledger_postgres_replica_lag_seconds")
+            && text.contains(r#"ledger_pg_pool_max_connections{pool="read"}"#))
         .then_some(())
     })
     .await;
