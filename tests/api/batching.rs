@@ -27,7 +27,8 @@ fn batch_sizes(text: &str, le: &str) -> (f64, f64) {
 /// one statement in flight at a time so that the consumes that arrive
 /// meanwhile are batched: per token exactly one `consumed`, the other copies
 /// replays (same request_id) or duplicates (plain bodies); the histogram
-/// shows batches of more than one. Then every copy retried with the
+/// shows batches of more than one, and the rows' `xmin` fewer transactions
+/// than tokens. Then every copy retried with the
 /// winning request_id replays, and another request_id is a duplicate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_storm_of_identical_consumes_is_decided_in_batches_each_token_once() {
@@ -87,6 +88,20 @@ async fn a_storm_of_identical_consumes_is_decided_in_batches_each_token_once() {
         count > singles,
         "no consume statement decided more than one item: {count} statements, {singles} of one"
     );
+    // What the histogram says, Postgres confirms: the consumed rows were
+    // written by fewer transactions than there are tokens (a batch the
+    // batcher counted but sent item by item would show one per token).
+    let pg = app.pg().await;
+    let writers: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT xmin::text) FROM tokens WHERE state = 'consumed'",
+    )
+    .fetch_one(&pg)
+    .await
+    .unwrap();
+    assert!(
+        writers < TOKENS as i64,
+        "{TOKENS} tokens consumed by {writers} transactions: no batch"
+    );
 
     // Retries of the winning attempts replay; another attempt is a duplicate.
     let mut handles = Vec::new();
@@ -111,7 +126,6 @@ async fn a_storm_of_identical_consumes_is_decided_in_batches_each_token_once() {
         h.await.unwrap();
     }
 
-    let pg = app.pg().await;
     let (rows, audits): (i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM tokens WHERE state = 'consumed' AND gen = 1),
                 (SELECT count(*) FROM audit_events WHERE kind = 'token.consumed')",
