@@ -125,7 +125,7 @@ def parse_pgbench(name, path, logdir, extra):
     return rec
 
 
-CPU_GROUPS = ("service", "reference", "postgres", "redis", "load", "other")
+CPU_GROUPS = ("service", "reference", "peer", "postgres", "redis", "load", "other")
 
 
 def cpu_per_request(rec):
@@ -214,9 +214,11 @@ TARGETS = {
     "forged": ("actix empty", 0.7, None),
     "order-pay": ("pgbench order-pay", 0.8, None),
     "mixed": ("blend 20% SET NX EX + 80% pgbench consume", None, None),
-    # no target yet: the same statement's cost per key (its ratio shown)
-    "key-claim": ("pgbench consume", None, None),
-    "key-cycle": ("pgbench consume", None, None),
+    # against the peer (scripts/bench --peer): its start, start + complete
+    # and start of a completed key, measured in the same run
+    "key-claim": ("peer key-claim", 1.5, None),
+    "key-cycle": ("peer key-cycle", 1.5, None),
+    "key-replay": ("peer key-replay", 1.0, None),
 }
 
 
@@ -262,6 +264,8 @@ def report(results_path, machine_path, out_json, out_md):
             ok = False
         if s.get("errors"):
             ok = False
+        if ok and ratio_min is not None and s["ratio"] is None:
+            ok = None  # its reference was not measured in this run
         s["meets_target"] = ok
 
     out = {"machine": machine, "references": list(refs.values()), "scenarios": scen}
@@ -278,7 +282,7 @@ def report(results_path, machine_path, out_json, out_md):
             tgt.append(f">= {s['target_ratio']}x")
         if s["target_p99_ms"] is not None:
             tgt.append(f"p99 <= {s['target_p99_ms']:g} ms")
-        mark = "met" if s["meets_target"] else "MISSED"
+        mark = {True: "met", False: "MISSED", None: "no reference in this run"}[s["meets_target"]]
         target = (", ".join(tgt) + f": {mark}") if tgt else "-"
         corr = "; ".join(c["what"] + (" ok" if c["ok"] else " FAILED") for c in s.get("checks", [])) or "-"
         lines.append("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
@@ -295,15 +299,15 @@ def report(results_path, machine_path, out_json, out_md):
     lines.append("")
     with_cpu = [r for r in list(refs.values()) + scen if r.get("cpu_us")]
     if with_cpu:
-        lines.append("CPU per request while each ran (µs; `server`: the service, or the reference's actix-web "
-                     "server; `load`: wrk, pgbench or redis-benchmark; `other`: kernel threads, interrupts, "
+        lines.append("CPU per request while each ran (µs; `server`: the service, the reference's actix-web "
+                     "server or the peer; `load`: wrk, pgbench or redis-benchmark; `other`: kernel threads, interrupts, "
                      "anything else; `total`: the machine's busy time; `idle`: the share of both cores left idle):")
         lines.append("")
         lines.append("| run | req/s | server | postgres | redis | load | other | total | idle |")
         lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in with_cpu:
             u = r["cpu_us"]
-            server = u.get("service", 0.0) + u.get("reference", 0.0)
+            server = u.get("service", 0.0) + u.get("reference", 0.0) + u.get("peer", 0.0)
             lines.append("| {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
                 r["name"], fmt(r["rps"]), fmt(server or None, 1), fmt(u.get("postgres"), 1),
                 fmt(u.get("redis"), 1), fmt(u.get("load"), 1), fmt(u.get("other"), 1),

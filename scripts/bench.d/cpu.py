@@ -10,6 +10,9 @@
                    "idempotency-led..."; a copy of the binary under another
                    name is found by its pid)
         reference  the actix-web reference servers (comm "hello", "redis_consume")
+        peer       the peer server of the key scenarios (the pid in
+                   $BENCH_PEER_PID, set only for the peer's runs; the
+                   service, idle meanwhile, then counts as `other`)
         postgres   every postgres process, with the backends that ended
                    (reaped by the postmaster: its cutime)
         redis      redis-server
@@ -49,9 +52,12 @@ GROUPS = {
     "redis-benchmark": "load",
 }
 SERVICE_PID = os.environ.get("BENCH_SERVICE_PID", "")
+PEER_PID = os.environ.get("BENCH_PEER_PID", "")
 
 
 def group_of(pid, comm):
+    if PEER_PID:
+        return "peer" if pid == PEER_PID else GROUPS.get(comm)
     if pid == SERVICE_PID or comm.startswith("idempotency-le"):
         return "service"
     return GROUPS.get(comm)

@@ -27,6 +27,23 @@
 --          that connection slot, so that claims and results alternate (a
 --          claim-then-complete cycle is two requests; `completed` counts
 --          the results recorded).
+--   keys   <biz> <tag> prepare <count>
+--          as complete, for keys 1..<count> of each thread, then the thread
+--          stops (not measured: the keys a replay run asks for).
+--   keys   <biz> <tag> replay <count>
+--          POST /v1/keys/consume of the prepared keys "<tag>-<tid>-<n>",
+--          n = 1..<count> over and over, with no request_id (a client's
+--          retry after the first answer was lost): every answer must be
+--          `duplicate` with status `completed` (counted as
+--          `duplicate_completed`).
+-- modes (the peer, svix's diom, started by hand: its idempotency API with
+-- the same shapes of work; the Authorization key is the peer's token):
+--   dkeys  <tag> <claim|complete|prepare|replay> [count]
+--          claim: POST /api/v1.idempotency.start of new keys (answer
+--          `started`, counted as `consumed`); complete: each started key is
+--          then completed (POST /api/v1.idempotency.complete with a small
+--          response) before the next new key, as for `keys`; prepare and
+--          replay: as for `keys` (a replay's answer must be `completed`).
 -- modes (references):
 --   get    <path>            GET <path>, nothing else (the empty handler)
 --   seq    <path prefix> <tag>  GET <prefix><tag>-<tid>-<n>, a fresh id per
@@ -79,6 +96,11 @@ local id_tag = "benchref"
 local inflight = 0       -- requests sent and not answered yet (fillers apart)
 local complete = false   -- keys: send each claimed key's result
 local pending = {}       -- keys: claimed keys whose result is not sent yet
+local key_style = "claim" -- keys, dkeys: claim, complete, prepare or replay
+local key_count = nil    -- keys, dkeys: prepare and replay, keys per thread
+local peer = false       -- dkeys: the peer's API
+local sent = {}          -- dkeys: keys started and not answered yet, sent[sent_head..sent_tail]
+local sent_head, sent_tail = 1, 0
 
 local function load_tokens(path)
   local f = io.open(path, "r")
@@ -116,10 +138,18 @@ function init(args)
     biz_list = { args[5] }
     subjects = tonumber(args[6] or "1000")
     body_style = "rid"
-  elseif mode == "keys" then
-    biz_list = { args[4] }
-    id_tag = args[5] or "k"
-    complete = args[6] == "complete"
+  elseif mode == "keys" or mode == "dkeys" then
+    local i = 4
+    if mode == "keys" then
+      biz_list = { args[4] }
+      i = 5
+    else
+      peer = true
+    end
+    id_tag = args[i] or "k"
+    key_style = args[i + 1] or "claim"
+    key_count = tonumber(args[i + 2] or "")
+    complete = key_style == "complete" or key_style == "prepare"
   elseif mode == "get" then
     path_prefix = args[4] or "/"
   elseif mode == "seq" then
@@ -139,6 +169,7 @@ local function issue_request()
 end
 
 local function filler()
+  if peer then return wrk.format("GET", "/api/v1.health.ping", get_headers) end
   return wrk.format("GET", "/healthz", get_headers)
 end
 
@@ -170,17 +201,74 @@ local function consume_request()
   return wrk.format("POST", "/v1/tokens/" .. t[1] .. "/consume", auth_headers, body)
 end
 
+-- the peer's lock on a started key, and how long it keeps a response
+local PEER_LOCK_MS = 30000
+local PEER_TTL_MS = 86400000
+
 local function key_request()
-  inflight = inflight + 1
   if complete and #pending > 0 then
+    inflight = inflight + 1
     local k = table.remove(pending)
+    if peer then
+      return wrk.format("POST", "/api/v1.idempotency.complete", auth_headers,
+        string.format('{"key":"%s","response":"{\\"ok\\":true}","ttl_ms":%d}', k, PEER_TTL_MS))
+    end
     return wrk.format("POST", "/v1/keys/result", auth_headers,
       string.format('{"biz_type":"%s","key":"%s","result":{"ok":true}}', biz_list[1], k))
   end
+  if key_style == "prepare" and seq >= key_count then
+    -- every key claimed: stop once the last results are answered
+    if inflight == 0 then exhausted = true end
+    return filler()
+  end
+  inflight = inflight + 1
   seq = seq + 1
+  local n = seq
+  if key_style == "replay" then n = (seq - 1) % key_count + 1 end
+  local k = string.format("%s-%d-%d", id_tag, tid, n)
+  if peer then
+    sent_tail = sent_tail + 1
+    sent[sent_tail] = k
+    return wrk.format("POST", "/api/v1.idempotency.start", auth_headers,
+      string.format('{"key":"%s","lock_period_ms":%d}', k, PEER_LOCK_MS))
+  end
+  if key_style == "replay" then
+    return wrk.format("POST", "/v1/keys/consume", auth_headers,
+      string.format('{"biz_type":"%s","key":"%s"}', biz_list[1], k))
+  end
   return wrk.format("POST", "/v1/keys/consume", auth_headers,
-    string.format('{"biz_type":"%s","key":"%s-%d-%d","request_id":"r%d-%d"}',
-      biz_list[1], id_tag, tid, seq, tid, seq))
+    string.format('{"biz_type":"%s","key":"%s","request_id":"r%d-%d"}',
+      biz_list[1], k, tid, seq))
+end
+
+-- The peer's answers: start is {"status":"started"|"locked"|"completed",...},
+-- complete is {}. They do not name the key, so each start answer is taken
+-- for the oldest start of this thread not answered yet (its keys are new,
+-- so no key is counted twice: `doubles` stays 0 by construction here).
+local function on_peer_key(status, body)
+  if status ~= 200 then
+    inc("unexpected"); inc("status_" .. status)
+    return
+  end
+  local st = body:match('"status":"(%a+)"')
+  local k = nil
+  if st ~= nil and sent_head <= sent_tail then
+    k = sent[sent_head]
+    sent[sent_head] = nil
+    sent_head = sent_head + 1
+  end
+  if st == nil and body:match("^%s*{%s*}%s*$") then
+    inc("ok"); inc("completed")
+  elseif st == "started" and k then
+    inc("ok"); inc("consumed")
+    if complete then pending[#pending + 1] = k end
+  elseif st == "completed" then
+    inc("ok"); inc("duplicate"); inc("duplicate_completed")
+  elseif st == "locked" then
+    inc("ok"); inc("duplicate"); inc("duplicate_processing")
+  else
+    inc("unexpected")
+  end
 end
 
 -- one base64url character of the tag changed: the text stays canonical and
@@ -192,7 +280,17 @@ local function forge(t)
   return t:sub(1, i - 1) .. r .. t:sub(i + 1)
 end
 
+local checked = false
+
 function request()
+  -- wrk calls request() once on its first thread before any connection is
+  -- made, to check what it returns, and never sends it: that call must not
+  -- take a token or a key (nor count as in flight), or the thread would
+  -- skip one and never see all its answers.
+  if tid == 0 and not checked then
+    checked = true
+    return filler()
+  end
   if mode == "issue" then
     return issue_request()
   elseif mode == "consume" then
@@ -201,7 +299,7 @@ function request()
     seq = seq + 1
     if seq % 5 == 0 then return issue_request() end
     return consume_request()
-  elseif mode == "keys" then
+  elseif mode == "keys" or mode == "dkeys" then
     return key_request()
   elseif mode == "forged" then
     pos = pos % #tokens + 1
@@ -275,9 +373,11 @@ local function on_consume(status, headers, body)
 end
 
 local HEALTHZ = '{"status":"ok"}'
+local PEER_PING = '{"ok":true}'
 
 function response(status, headers, body)
-  local is_filler = exhausted and body == HEALTHZ
+  -- (the prepare runs send fillers before the last results are answered)
+  local is_filler = body == HEALTHZ or (peer and body == PEER_PING)
   if is_filler then
     inc("filler")
   else
@@ -291,6 +391,8 @@ function response(status, headers, body)
     on_consume(status, headers, body)
   elseif mode == "mixed" then
     if status == 201 then on_issue(status, body) else on_consume(status, headers, body) end
+  elseif mode == "dkeys" then
+    on_peer_key(status, body)
   elseif mode == "keys" then
     if status == 200 and body:find('"outcome":"recorded"', 1, true) then
       inc("ok"); inc("completed")
