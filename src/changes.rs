@@ -11,6 +11,11 @@
 //! - **A missed notification costs only time.** When the listening
 //!   connection is lost, every waiter is woken once it is back (each looks
 //!   again); a waiter never waits past its own `wait_ms`.
+//! - **Changes that arrive together are told together.** One statement
+//!   sends the notifications of every change made while the previous one
+//!   was on its way (at most [`MAX_PER_STATEMENT`] each; none waits when
+//!   nothing is being sent), one notification per id as before, so that a
+//!   burst of results costs a few transactions, not one each.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -26,13 +31,29 @@ use crate::tasks::OffPath;
 /// The Postgres channel every instance listens on.
 pub const CHANNEL: &str = "ledger_changes";
 
+/// The most notifications one statement sends.
+pub const MAX_PER_STATEMENT: usize = 1000;
+
+/// The most changes waiting to be told; beyond, a change is told to this
+/// process's waiters only (the fleet's wait out their `wait_ms`).
+const MAX_WAITING: usize = 100_000;
+
 /// The waiters of this process, by token (or key) id.
 #[derive(Debug)]
 pub struct Changes {
     waiters: Mutex<HashMap<i64, (Arc<Notify>, usize)>>,
+    outbox: Mutex<Outbox>,
     pool: PgPool,
     /// Where the notifications to the fleet are sent from.
     off_path: OffPath,
+}
+
+/// Changes not yet told to the fleet, and whether a sender is running (at
+/// most one: it sends until the outbox is empty).
+#[derive(Debug, Default)]
+struct Outbox {
+    ids: Vec<i64>,
+    sending: bool,
 }
 
 /// One registration; deregisters when dropped.
@@ -68,9 +89,14 @@ impl Changes {
     pub fn new(pool: PgPool, off_path: OffPath) -> Changes {
         Changes {
             waiters: Mutex::new(HashMap::new()),
+            outbox: Mutex::new(Outbox::default()),
             pool,
             off_path,
         }
+    }
+
+    fn outbox(&self) -> std::sync::MutexGuard<'_, Outbox> {
+        self.outbox.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<i64, (Arc<Notify>, usize)>> {
@@ -112,21 +138,53 @@ impl Changes {
     }
 
     /// `id` changed here: wakes this process's waiters now, and tells the
-    /// fleet (one `pg_notify`, off the answer's path; if it fails, the other
+    /// fleet off the answer's path: at once when nothing is being sent, else
+    /// with the other changes of the next statement (if it fails, the other
     /// instances' waiters only wait longer).
     pub fn changed(self: &Arc<Self>, id: i64) {
         self.wake(id);
-        let pool = self.pool.clone();
-        self.off_path.spawn(async move {
-            let sent = sqlx::query("SELECT pg_notify($1, $2)")
-                .bind(CHANNEL)
-                .bind(id.to_string())
-                .execute(&pool)
-                .await;
-            if let Err(e) = sent {
-                tracing::debug!(error = %e, "change not sent to the fleet");
+        {
+            let mut outbox = self.outbox();
+            if outbox.ids.len() >= MAX_WAITING {
+                tracing::debug!("too many changes waiting; not told to the fleet");
+                return;
             }
-        });
+            outbox.ids.push(id);
+            if outbox.sending {
+                return;
+            }
+            outbox.sending = true;
+        }
+        let this = self.clone();
+        self.off_path.spawn(async move { this.send_all().await });
+    }
+
+    /// Sends the outbox until it is empty, then lets the next change start
+    /// a sender again.
+    async fn send_all(&self) {
+        loop {
+            let mut ids = {
+                let mut outbox = self.outbox();
+                if outbox.ids.is_empty() {
+                    outbox.sending = false;
+                    return;
+                }
+                std::mem::take(&mut outbox.ids)
+            };
+            ids.sort_unstable();
+            ids.dedup();
+            for chunk in ids.chunks(MAX_PER_STATEMENT) {
+                let sent =
+                    sqlx::query("SELECT pg_notify($1, id::text) FROM unnest($2::bigint[]) AS id")
+                        .bind(CHANNEL)
+                        .bind(chunk)
+                        .execute(&self.pool)
+                        .await;
+                if let Err(e) = sent {
+                    tracing::debug!(error = %e, changes = chunk.len(), "changes not sent to the fleet");
+                }
+            }
+        }
     }
 
     /// Listens for the fleet's changes until `shutdown`, reconnecting after

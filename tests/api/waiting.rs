@@ -209,3 +209,104 @@ async fn a_waiter_wins_after_a_release_and_a_wait_that_ends_answers_processing()
         "{body}"
     );
 }
+
+/// Results recorded together are told to the fleet together: 1,000 durable
+/// keys claimed, then given their results all at once, while the test
+/// listens on the fleet's channel. Every key's change reaches the listener,
+/// and the test database committed fewer transactions in all, from the
+/// service's start to its stop, than there were results: a `pg_notify` per
+/// result, each in a transaction of its own, would alone have taken one per
+/// result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn results_recorded_together_are_told_to_the_fleet_in_fewer_transactions_than_results() {
+    let _heavy = heavy().await;
+    let stores = Stores::fresh().with("postgres.acquire_timeout = \"10s\"");
+    let app = Arc::new(spawn_app_on(stores.clone()).await);
+    let mut listener = sqlx::postgres::PgListener::connect(&stores.db_url())
+        .await
+        .expect("listener");
+    listener
+        .listen(idempotency_ledger::changes::CHANNEL)
+        .await
+        .expect("LISTEN");
+    const KEYS: usize = 1000;
+    let run = uuid::Uuid::new_v4();
+    let fire = |path: &'static str, body: fn(&str) -> Value| {
+        let app = app.clone();
+        async move {
+            let calls = (0..KEYS).map(|i| {
+                let (app, body) = (app.clone(), body(&format!("t-{run}-{i}")));
+                tokio::spawn(async move { answer(app.post(PAYMENTS, path, &body).await).await })
+            });
+            for a in join_all(calls).await {
+                let (s, _, b) = a.expect("request task");
+                assert_eq!(s, StatusCode::OK, "{path}: {b}");
+            }
+        }
+    };
+    fire(
+        "/v1/keys/consume",
+        |k| json!({"biz_type": "order", "key": k}),
+    )
+    .await;
+    fire(
+        "/v1/keys/result",
+        |k| json!({"biz_type": "order", "key": k, "result": {"ok": true}}),
+    )
+    .await;
+
+    let pg = app.pg().await;
+    let ids: std::collections::HashSet<i64> =
+        sqlx::query_scalar("SELECT id FROM tokens WHERE key LIKE $1 AND result IS NOT NULL")
+            .bind(format!("t-{run}-%"))
+            .fetch_all(&pg)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    assert_eq!(ids.len(), KEYS);
+    let mut told = std::collections::HashSet::new();
+    while !ids.is_subset(&told) {
+        let n = tokio::time::timeout(Duration::from_secs(10), listener.recv())
+            .await
+            .expect("every change told within 10 s")
+            .expect("notification");
+        if let Ok(id) = n.payload().parse::<i64>() {
+            told.insert(id);
+        }
+    }
+
+    // Every other connection to the test database gone, so that its
+    // backends have reported their transactions.
+    drop(listener);
+    Arc::try_unwrap(app).ok().expect("sole owner").stop().await;
+    pg.close().await;
+    let observer = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&stores.db_url())
+        .await
+        .unwrap();
+    let commits: i64 = eventually(20, || {
+        let observer = observer.clone();
+        async move {
+            let others: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+            )
+            .fetch_one(&observer)
+            .await
+            .ok()?;
+            (others == 0).then_some(())?;
+            sqlx::query_scalar(
+                "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+            )
+            .fetch_one(&observer)
+            .await
+            .ok()
+        }
+    })
+    .await;
+    assert!(
+        commits < KEYS as i64,
+        "{commits} transactions for {KEYS} claims and {KEYS} results"
+    );
+}
