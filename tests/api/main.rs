@@ -5,6 +5,7 @@ mod admin;
 mod admin_release;
 mod audit_seal;
 mod bad_input;
+mod batch_plans;
 mod batching;
 mod chaos;
 mod cli;

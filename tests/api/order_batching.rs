@@ -1000,6 +1000,45 @@ async fn each_event_of_a_batch_answers_and_writes_as_it_does_alone() {
     }
 }
 
+/// 20,000 orders of `subject` (`a-000001` to `a-020000`) sorting before the
+/// 10 of a batch (`z-20001` to `z-20010`), analyzed.
+async fn orders_before_the_batch(pg: &sqlx::PgPool, subject: &str) {
+    sqlx::query(
+        "INSERT INTO orders (order_id, client, subject, amount_minor, currency)
+         SELECT CASE WHEN g <= 20000 THEN 'a-' || lpad(g::text, 6, '0') ELSE 'z-' || g END,
+                'payments', $1, 100, 'CNY'
+           FROM generate_series(1, 20010) g",
+    )
+    .bind(subject)
+    .execute(pg)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE orders").execute(pg).await.unwrap();
+}
+
+/// A transaction in which Postgres may only merge-join.
+async fn merge_joins_only(pg: &sqlx::PgPool) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = pg.begin().await.unwrap();
+    for off in [
+        "SET LOCAL enable_nestloop = off",
+        "SET LOCAL enable_hashjoin = off",
+    ] {
+        sqlx::query(off).execute(&mut *tx).await.unwrap();
+    }
+    tx
+}
+
+/// Rows of `orders` this transaction has read so far.
+async fn orders_read(tx: &mut sqlx::Transaction<'static, sqlx::Postgres>) -> i64 {
+    sqlx::query_scalar(
+        "SELECT coalesce(idx_tup_fetch, 0) + coalesce(seq_tup_read, 0)
+           FROM pg_stat_xact_user_tables WHERE relname = 'orders'",
+    )
+    .fetch_one(&mut **tx)
+    .await
+    .unwrap()
+}
+
 /// A batch locks its orders by `order_id`, sorted. In a full bench run
 /// (95,000 orders) the planner merged the batch's ids with the
 /// `orders_pkey` index from its first entry, reading every order that sorts
@@ -1015,16 +1054,7 @@ async fn a_batch_locks_its_orders_without_reading_the_orders_before_them() {
 
     let app = spawn_app_on(Stores::fresh()).await;
     let pg = app.pg().await;
-    sqlx::query(
-        "INSERT INTO orders (order_id, client, subject, amount_minor, currency)
-         SELECT CASE WHEN g <= 20000 THEN 'a-' || lpad(g::text, 6, '0') ELSE 'z-' || g END,
-                'payments', 'u-lock', 100, 'CNY'
-           FROM generate_series(1, 20010) g",
-    )
-    .execute(&pg)
-    .await
-    .unwrap();
-    sqlx::query("ANALYZE orders").execute(&pg).await.unwrap();
+    orders_before_the_batch(&pg, "u-lock").await;
 
     let codec = TokenCodec::new(app.stores.settings().tokens.signing_keys.clone());
     let exp = u32::try_from(now_ms() / 1000 + 3600).unwrap();
@@ -1047,25 +1077,73 @@ async fn a_batch_locks_its_orders_without_reading_the_orders_before_them() {
         .map(|(order_id, token)| LockItem { order_id, token })
         .collect();
 
-    let mut tx = pg.begin().await.unwrap();
-    sqlx::query("SET LOCAL enable_nestloop = off")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    sqlx::query("SET LOCAL enable_hashjoin = off")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let mut tx = merge_joins_only(&pg).await;
     let locked = lock_many(&mut tx, &items).await.expect("lock_many");
     assert!(locked.iter().all(Option::is_some), "{locked:?}");
-    let read: i64 = sqlx::query_scalar(
-        "SELECT coalesce(idx_tup_fetch, 0) + coalesce(seq_tup_read, 0)
-           FROM pg_stat_xact_user_tables WHERE relname = 'orders'",
-    )
-    .fetch_one(&mut *tx)
-    .await
-    .unwrap();
+    let read = orders_read(&mut tx).await;
     tx.rollback().await.unwrap();
     assert!(read < 1_000, "{read} orders read to lock 10");
+    app.stop().await;
+}
+
+/// A batch's events update their orders joined with the batch's items
+/// (`durable::orders::write_events`): the same merge join as the lock's
+/// above read every order sorting before the batch's last one. Only that
+/// plan is allowed here, 20,000 orders sort before the 10 paid, and the
+/// statement must read about 10 orders, not 20,000.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_pays_its_orders_without_reading_the_orders_before_them() {
+    use chrono::{Duration, Utc};
+    use idempotency_ledger::config::Durability;
+    use idempotency_ledger::domain::order::OrderState;
+    use idempotency_ledger::domain::AuditKind;
+    use idempotency_ledger::durable::orders::{write_events, OrderChange};
+    use idempotency_ledger::durable::tokens::TokenRecord;
+
+    let app = spawn_app_on(Stores::fresh()).await;
+    let pg = app.pg().await;
+    orders_before_the_batch(&pg, "u-pay").await;
+
+    let now = Utc::now();
+    let records: Vec<TokenRecord> = (0..10i64)
+        .map(|i| TokenRecord {
+            id: (1 << 40) + i,
+            token: format!("order_pay_{i}"),
+            biz_type: "order".into(),
+            durability: Durability::Durable,
+            subject: "u-pay".into(),
+            client: "payments".into(),
+            issued_at: now,
+            expires_at: now + Duration::hours(1),
+            key: None,
+        })
+        .collect();
+    let order_ids: Vec<String> = (20001..=20010).map(|g| format!("z-{g}")).collect();
+    let changes: Vec<OrderChange<'_>> = order_ids
+        .iter()
+        .map(|order_id| OrderChange {
+            order_id,
+            kind: AuditKind::OrderPaid,
+            next_state: OrderState::Paid,
+            refunded_minor: 0,
+            amount_minor: 100,
+            fingerprint: None,
+            request_id: Some("r-pay"),
+            reason: None,
+        })
+        .collect();
+    let items: Vec<(&TokenRecord, &OrderChange<'_>)> = records.iter().zip(&changes).collect();
+
+    let mut tx = merge_joins_only(&pg).await;
+    let claimed = write_events(&mut tx, &items).await.expect("write_events");
+    assert!(claimed.iter().all(Option::is_some), "{claimed:?}");
+    let read = orders_read(&mut tx).await;
+    let paid: i64 = sqlx::query_scalar("SELECT count(*) FROM orders WHERE state = 'PAID'")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(paid, 10);
+    assert!(read < 1_000, "{read} orders read to pay 10");
     app.stop().await;
 }

@@ -1,0 +1,369 @@
+//! Batch statements read only their own rows, whatever join Postgres picks.
+//!
+//! Every batch statement joins its items (an `UNNEST` of ids) with a large
+//! table. For a large table the planner may pick a merge join, which walks
+//! the table's index from its first entry: it reads every row that sorts
+//! before the batch's last one (seen in a full bench run, where order-pay
+//! fell to 0.6x of pgbench). So each statement also names the batch's ids on
+//! the table itself (`t.id = ANY($1)`). Each test here lets Postgres only
+//! merge-join on the connection that runs the batch (no nested loop, no hash
+//! join), places 20,000 rows before the batch's rows, and counts the rows
+//! the statement read: about the batch's, never the 20,000.
+
+use std::collections::HashMap;
+
+use chrono::{Duration, Utc};
+use idempotency_ledger::config::Durability;
+use idempotency_ledger::domain::key::{identity, ClientKey};
+use idempotency_ledger::domain::BizType;
+use idempotency_ledger::durable::batch::{consume_batch, finish_batch, ConsumeItem, FinishItem};
+use idempotency_ledger::durable::key_batch::{consume_key_batch, KeyItem};
+use idempotency_ledger::durable::tokens::{self, ConsumeRow, TokenRecord};
+use idempotency_ledger::journal::{self, apply_entries, AT, GEN};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{Executor, PgPool};
+
+use crate::helpers::*;
+
+/// Rows placed before the batch's.
+const BEFORE: i64 = 20_000;
+/// More than this many rows read for a batch of 10 is a scan of the rows
+/// before it.
+const BOUND: i64 = 1_000;
+
+/// A fresh, migrated database with no service running on it (so no
+/// background task reads `tokens` meanwhile), holding `BEFORE` issued
+/// tokens (ids 1 to 20,000) and `BEFORE` client keys (the lowest ids of
+/// all), analyzed. Its URL.
+async fn database_with_rows_before() -> String {
+    let app = spawn_app().await;
+    let url = app.stores.db_url();
+    app.stop().await;
+    let pg = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .expect("pool");
+    sqlx::query(
+        "INSERT INTO tokens (id, token, biz_type, durability, subject, client, issued_at, expires_at)
+         SELECT g, 'order_fill_' || g, 'order', 'durable', 'u-fill', 'payments', now(),
+                now() + interval '1 hour'
+           FROM generate_series(1, $1) g",
+    )
+    .bind(BEFORE)
+    .execute(&pg)
+    .await
+    .expect("tokens before");
+    sqlx::query(
+        "INSERT INTO tokens (id, token, key, biz_type, durability, subject, client, issued_at,
+                             expires_at)
+         SELECT (-9223372036854775807) + g, 'key_fill_' || g, 'fill-' || g, 'order', 'durable',
+                'u-fill', 'payments', now(), now()
+           FROM generate_series(1, $1) g",
+    )
+    .bind(BEFORE)
+    .execute(&pg)
+    .await
+    .expect("keys before");
+    sqlx::query("ANALYZE tokens")
+        .execute(&pg)
+        .await
+        .expect("analyze");
+    pg.close().await;
+    url
+}
+
+/// A pool of one connection on which Postgres may only merge-join.
+async fn merge_joins_only(url: &str) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(1)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("SET enable_nestloop = off").await?;
+                conn.execute("SET enable_hashjoin = off").await?;
+                Ok(())
+            })
+        })
+        .connect(url)
+        .await
+        .expect("merge-join pool")
+}
+
+/// Rows of `tokens` (every partition) that index and sequential scans have
+/// read so far, this connection's included: its own counts are flushed to
+/// the statistics first (as it goes idle after the first statement).
+async fn tokens_read(pool: &PgPool) -> i64 {
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(pool)
+        .await
+        .expect("flush");
+    sqlx::query_scalar(
+        "SELECT coalesce(sum(coalesce(idx_tup_fetch, 0) + coalesce(seq_tup_read, 0)), 0)::bigint
+           FROM pg_stat_user_tables
+          WHERE relid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = 'tokens'::regclass)",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("tokens read")
+}
+
+/// A durable `order` token with an id after the rows before.
+fn record(i: i64) -> TokenRecord {
+    let now = Utc::now();
+    let id = 1_000_000 + i;
+    TokenRecord {
+        id,
+        token: format!("order_batch_{id}"),
+        biz_type: "order".into(),
+        durability: Durability::Durable,
+        subject: "u-batch".into(),
+        client: "payments".into(),
+        issued_at: now,
+        expires_at: now + Duration::hours(1),
+        key: None,
+    }
+}
+
+/// Issues and consumes `rec` (request `r-first`), on another connection.
+async fn consumed(url: &str, rec: &TokenRecord) {
+    let pg = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(url)
+        .await
+        .expect("pool");
+    tokens::insert_issued(&pg, std::slice::from_ref(rec), uuid::Uuid::nil(), &[])
+        .await
+        .expect("issued");
+    tokens::consume(&pg, rec, None, Some("r-first"))
+        .await
+        .expect("consumed");
+    pg.close().await;
+}
+
+/// The consume batch (`durable::batch::consume_batch`) reads the rows it
+/// did not claim back from `tokens`, joined with its items.
+#[tokio::test]
+async fn a_consume_batch_reads_only_its_own_tokens_whatever_the_join() {
+    let url = database_with_rows_before().await;
+    let records: Vec<TokenRecord> = (1..=10).map(record).collect();
+    // Half already consumed: their rows are read back for their answers.
+    for rec in &records[..5] {
+        consumed(&url, rec).await;
+    }
+    let items: Vec<ConsumeItem> = records
+        .iter()
+        .map(|r| ConsumeItem {
+            record: r.clone(),
+            fingerprint: None,
+            request_id: Some("r-batch".into()),
+        })
+        .collect();
+    let refs: Vec<&ConsumeItem> = items.iter().collect();
+
+    let pool = merge_joins_only(&url).await;
+    let before = tokens_read(&pool).await;
+    let answers = consume_batch(&pool, &refs).await.expect("batch");
+    let read = tokens_read(&pool).await - before;
+
+    let won = answers
+        .iter()
+        .filter(|a| matches!(a, Ok((ConsumeRow::Won { .. }, _))))
+        .count();
+    let existing = answers
+        .iter()
+        .filter(|a| matches!(a, Ok((ConsumeRow::Existing(_), _))))
+        .count();
+    assert_eq!((won, existing), (5, 5), "{answers:?}");
+    assert!(read < BOUND, "{read} token rows read for a batch of 10");
+}
+
+/// The client keys' consume batch (`durable::key_batch`) reads the keys it
+/// did not claim back the same way.
+#[tokio::test]
+async fn a_key_batch_reads_only_its_own_keys_whatever_the_join() {
+    let url = database_with_rows_before().await;
+    let biz = BizType::parse("order").expect("biz");
+    let now = Utc::now();
+    let records: Vec<TokenRecord> = (1..=10)
+        .map(|i| {
+            let key = format!("batch-{i}");
+            let id = identity("payments", &biz, &ClientKey::parse(&key).expect("key"));
+            TokenRecord {
+                id: id.id,
+                token: id.handle,
+                biz_type: "order".into(),
+                durability: Durability::Durable,
+                subject: "u-batch".into(),
+                client: "payments".into(),
+                issued_at: now,
+                expires_at: now,
+                key: Some(key),
+            }
+        })
+        .collect();
+    let mut items: Vec<KeyItem> = records
+        .iter()
+        .map(|r| KeyItem {
+            record: r.clone(),
+            fingerprint: None,
+            request_id: Some("r-batch".into()),
+        })
+        .collect();
+    items.sort_by_key(|it| it.record.id);
+    let refs: Vec<&KeyItem> = items.iter().collect();
+    // Once to claim them, then again: every row is read back.
+    let first = consume_key_batch(&PgPool::connect(&url).await.expect("pool"), &refs)
+        .await
+        .expect("first batch");
+    assert!(
+        first
+            .iter()
+            .all(|a| matches!(a, Ok(k) if matches!(k.row, ConsumeRow::Won { .. }))),
+        "{first:?}"
+    );
+
+    let pool = merge_joins_only(&url).await;
+    let before = tokens_read(&pool).await;
+    let answers = consume_key_batch(&pool, &refs).await.expect("batch");
+    let read = tokens_read(&pool).await - before;
+
+    assert!(
+        answers
+            .iter()
+            .all(|a| matches!(a, Ok(k) if matches!(k.row, ConsumeRow::Existing(_)))),
+        "{answers:?}"
+    );
+    assert!(
+        read < BOUND,
+        "{read} rows of tokens read for a batch of 10 keys"
+    );
+}
+
+/// The results and releases batch (`durable::batch::finish_batch`) updates
+/// its rows joined with its items.
+#[tokio::test]
+async fn a_result_and_release_batch_reads_only_its_own_tokens_whatever_the_join() {
+    let url = database_with_rows_before().await;
+    let records: Vec<TokenRecord> = (1..=10).map(record).collect();
+    for rec in &records {
+        consumed(&url, rec).await;
+    }
+    let items: Vec<FinishItem> = records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            if i % 2 == 0 {
+                FinishItem::Result {
+                    id: r.id,
+                    result: serde_json::json!({"payment_id": r.id}),
+                    detail: None,
+                    of_request: Some("r-first".into()),
+                }
+            } else {
+                FinishItem::Release {
+                    id: r.id,
+                    detail: None,
+                    of_request: Some("r-first".into()),
+                }
+            }
+        })
+        .collect();
+    let refs: Vec<&FinishItem> = items.iter().collect();
+
+    let pool = merge_joins_only(&url).await;
+    let before = tokens_read(&pool).await;
+    let answers = finish_batch(&pool, &refs).await.expect("batch");
+    let read = tokens_read(&pool).await - before;
+
+    assert!(answers.iter().all(Result::is_ok), "{answers:?}");
+    let (results, releases): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE result IS NOT NULL), count(*) FILTER (WHERE state = 'issued')
+           FROM tokens WHERE id > $1",
+    )
+    .bind(BEFORE)
+    .fetch_one(&pool)
+    .await
+    .expect("rows");
+    assert_eq!((results, releases), (5, 5));
+    assert!(read < BOUND, "{read} token rows read for a batch of 10");
+}
+
+/// The journal's apply (`durable::journal::apply`) looks its entries' rows
+/// up in `tokens` for their audit rows and conflicts.
+#[tokio::test]
+async fn a_journal_batch_reads_only_its_own_tokens_whatever_the_join() {
+    let url = database_with_rows_before().await;
+    let at = Utc::now().timestamp_millis();
+    let entries: Vec<_> = (1..=10)
+        .map(|i| {
+            let rec = TokenRecord {
+                durability: Durability::Fast,
+                biz_type: "like".into(),
+                ..record(i)
+            };
+            let mut fields: HashMap<String, Vec<u8>> =
+                journal::consume_fields(&rec, Some("r-journal"), None)
+                    .fields()
+                    .into_iter()
+                    .map(|(k, v)| (k.to_owned(), v.into_bytes()))
+                    .collect();
+            fields.insert(AT.to_owned(), at.to_string().into_bytes());
+            fields.insert(GEN.to_owned(), b"1".to_vec());
+            idempotency_ledger::fast::JournalEntry {
+                id: format!("plan-{i}"),
+                fields,
+            }
+        })
+        .collect();
+    // Once to write the rows, then again: every entry meets its row.
+    apply_entries(&PgPool::connect(&url).await.expect("pool"), &entries)
+        .await
+        .expect("first apply");
+
+    let pool = merge_joins_only(&url).await;
+    let before = tokens_read(&pool).await;
+    apply_entries(&pool, &entries).await.expect("apply");
+    let read = tokens_read(&pool).await - before;
+
+    let consumed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM tokens WHERE id > $1 AND state = 'consumed' AND gen = 1",
+    )
+    .bind(BEFORE)
+    .fetch_one(&pool)
+    .await
+    .expect("rows");
+    assert_eq!(consumed, 10);
+    assert!(
+        read < BOUND,
+        "{read} token rows read for 10 journal entries"
+    );
+}
+
+/// The duplicate attempts' counts (`durable::tokens::add_duplicates`)
+/// update their tokens joined with the counts.
+#[tokio::test]
+async fn duplicate_counts_read_only_their_own_tokens_whatever_the_join() {
+    let url = database_with_rows_before().await;
+    let records: Vec<TokenRecord> = (1..=10).map(record).collect();
+    for rec in &records {
+        consumed(&url, rec).await;
+    }
+    let counts: HashMap<i64, i64> = records.iter().map(|r| (r.id, 3)).collect();
+
+    let pool = merge_joins_only(&url).await;
+    let before = tokens_read(&pool).await;
+    tokens::add_duplicates(&pool, &counts)
+        .await
+        .expect("add duplicates");
+    let read = tokens_read(&pool).await - before;
+
+    let total: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(duplicate_attempts), 0)::bigint FROM tokens WHERE id > $1",
+    )
+    .bind(BEFORE)
+    .fetch_one(&pool)
+    .await
+    .expect("rows");
+    assert_eq!(total, 30);
+    assert!(read < BOUND, "{read} token rows read for 10 counts");
+}
