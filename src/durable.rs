@@ -12,11 +12,8 @@
 //! for the group commit of durable consumes, results and releases,
 //! [`key_batch`] for that of durable client-key consumes, [`group`] for the
 //! group-commit queue they share with the order events' batcher).
-//! Every hot statement touches one token or one order key. A batch
-//! statement that joins its items with a table also names their ids on that
-//! table (`t.id = ANY($1)`), so that whatever join the planner picks (a
-//! merge join walks an index from its first entry) reads only the batch's
-//! rows (`tests/api/batch_plans.rs`).
+//! Every hot statement touches one token or one order key; the hot pool's
+//! sessions never merge-join ([`hot_connect_options`]).
 
 pub mod admin;
 pub mod batch;
@@ -42,4 +39,6 @@ pub mod usage;
 
 pub use error::DurableError;
 pub(crate) use pools::timed;
-pub use pools::{begin, connect_options, fetch_all, fetch_one, fetch_optional, Pools};
+pub use pools::{
+    begin, connect_options, fetch_all, fetch_one, fetch_optional, hot_connect_options, Pools,
+};

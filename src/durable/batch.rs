@@ -282,8 +282,7 @@ pub async fn consume_batch(
     }
     // The single statement's upsert and audit row, per item; the rows come
     // back as the claims that won and, for the others, the row as the
-    // statement's snapshot saw it (the ids also on `tokens` itself: see
-    // `durable`).
+    // statement's snapshot saw it.
     let rows = super::fetch_all(pool, || {
         sqlx::query(
             r#"
@@ -321,7 +320,7 @@ pub async fn consume_batch(
         UNION ALL
         SELECT t.id, false, t.state, t.consumed_at, t.fingerprint, t.request_id, t.result,
                t.order_id, t.expires_at, t.gen, t.uncertain_since
-          FROM r JOIN tokens t ON t.id = r.id AND t.id = ANY($1)
+          FROM r JOIN tokens t ON t.id = r.id
          WHERE NOT EXISTS (SELECT 1 FROM claim c WHERE c.id = r.id)
         "#,
         )
@@ -646,8 +645,7 @@ pub async fn finish_batch(
     }
     // The rows are locked in id order first (`lk`), as every consume batch
     // locks them, so that batches of both kinds never deadlock; then the
-    // single statements' updates and audit rows, per item (the ids also on
-    // `tokens` itself: see `durable`).
+    // single statements' updates and audit rows, per item.
     let rows = super::fetch_all(pool, || {
         sqlx::query(
             r#"
@@ -659,7 +657,7 @@ pub async fn finish_batch(
         ), upd AS (
             UPDATE tokens t SET result = r.result::jsonb, result_at = now()
               FROM r
-             WHERE NOT r.rel AND t.id = r.id AND t.id = ANY($1) AND t.id IN (SELECT id FROM lk)
+             WHERE NOT r.rel AND t.id = r.id AND t.id IN (SELECT id FROM lk)
                AND t.state = 'consumed' AND t.result IS NULL
                AND (r.of_request IS NULL OR t.request_id = r.of_request)
             RETURNING t.id, t.token, t.key, t.subject, t.biz_type, t.client, t.state, t.consumed_at,
@@ -672,7 +670,7 @@ pub async fn finish_batch(
                    -- A key dates its release here (see V6).
                    expires_at = CASE WHEN t.key IS NULL THEN t.expires_at ELSE now() END
               FROM r
-             WHERE r.rel AND t.id = r.id AND t.id = ANY($1) AND t.id IN (SELECT id FROM lk)
+             WHERE r.rel AND t.id = r.id AND t.id IN (SELECT id FROM lk)
                AND t.state = 'consumed' AND t.result IS NULL AND t.order_id IS NULL
                AND (r.of_request IS NULL OR t.request_id = r.of_request)
             RETURNING t.id, t.token, t.key, t.subject, t.biz_type, t.client, t.expires_at, t.gen,

@@ -126,7 +126,6 @@ pub async fn apply(pool: &PgPool, batch: &[Entry]) -> Result<u64, DurableError> 
     for e in batch {
         c.push(e);
     }
-    // Each read of `tokens` also names the entries' ids on it: see `durable`.
     let moved: i64 = sqlx::query_scalar(
         r#"
         WITH e AS (
@@ -176,8 +175,7 @@ pub async fn apply(pool: &PgPool, batch: &[Entry]) -> Result<u64, DurableError> 
                    || COALESCE(e.detail::jsonb, '{}'::jsonb)
               FROM e
              WHERE e.id IN (SELECT id FROM up)
-                OR EXISTS (SELECT 1 FROM tokens t
-                            WHERE t.id = e.id AND t.id = ANY($1) AND t.durability = 'fast')
+                OR EXISTS (SELECT 1 FROM tokens t WHERE t.id = e.id AND t.durability = 'fast')
             ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
         ), conflict AS (
             -- A consume of the generation Postgres already holds consumed by
@@ -193,7 +191,7 @@ pub async fn apply(pool: &PgPool, batch: &[Entry]) -> Result<u64, DurableError> 
                        'fingerprint', e.fingerprint,
                        'kept_request_id', t.request_id, 'kept_consumed_at', t.consumed_at))
                    || CASE WHEN e.key IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('key', e.key) END
-              FROM e JOIN tokens t ON t.id = e.id AND t.id = ANY($1)
+              FROM e JOIN tokens t ON t.id = e.id
              WHERE e.kind IN ('token.consumed', 'key.consumed')
                AND e.state = 'consumed' AND t.state = 'consumed' AND t.gen = e.gen
                AND (t.consumed_at, t.request_id) IS DISTINCT FROM (e.consumed_at, e.request_id)

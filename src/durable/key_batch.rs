@@ -213,8 +213,7 @@ pub async fn consume_key_batch(
     }
     // The single statement's upsert and audit row, per item; the rows come
     // back as the claims that won and, for the others, the row as the
-    // statement's snapshot saw it (the ids also on `tokens` itself: see
-    // `durable`).
+    // statement's snapshot saw it.
     let rows = super::fetch_all(pool, || {
         sqlx::query(
             r#"
@@ -254,7 +253,7 @@ pub async fn consume_key_batch(
         UNION ALL
         SELECT t.id, false, t.state, t.consumed_at, t.fingerprint, t.request_id, t.result,
                t.order_id, t.expires_at, t.gen, t.subject, t.uncertain_since
-          FROM r JOIN tokens t ON t.id = r.id AND t.id = ANY($1)
+          FROM r JOIN tokens t ON t.id = r.id
          WHERE NOT EXISTS (SELECT 1 FROM claim c WHERE c.id = r.id)
         "#,
         )

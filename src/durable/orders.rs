@@ -537,9 +537,7 @@ pub async fn write_events(
         reasons.push(w.reason);
     }
     // The statement of `write_event`, per row of `r`; tokens are claimed in
-    // id order, as every other statement that takes token rows does. The
-    // orders' ids are also a condition on `orders` itself, as in
-    // [`lock_many`].
+    // id order, as every other statement that takes token rows does.
     let rows = sqlx::query(
         r#"
         WITH r AS (
@@ -567,7 +565,7 @@ pub async fn write_events(
             UPDATE orders o
                SET state = r.next_state::order_state, refunded_minor = r.refunded_minor, updated_at = now()
               FROM r JOIN claim c ON c.id = r.id
-             WHERE o.order_id = r.order_id AND o.order_id = ANY($11)
+             WHERE o.order_id = r.order_id
             RETURNING o.order_id
         ), ev AS (
             INSERT INTO order_events (order_id, kind, token_id, token, amount_minor, request_id, reason)

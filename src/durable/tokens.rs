@@ -617,12 +617,11 @@ pub async fn add_duplicates(pool: &PgPool, counts: &HashMap<i64, i64>) -> Result
     if counts.is_empty() {
         return Ok(());
     }
-    // The ids also on `tokens` itself: see `durable`.
     let ids: Vec<i64> = counts.keys().copied().collect();
     let ns: Vec<i64> = ids.iter().map(|i| counts[i]).collect();
     sqlx::query(
         "UPDATE tokens t SET duplicate_attempts = t.duplicate_attempts + c.n
-           FROM UNNEST($1::bigint[], $2::bigint[]) AS c(id, n) WHERE t.id = c.id AND t.id = ANY($1)",
+           FROM UNNEST($1::bigint[], $2::bigint[]) AS c(id, n) WHERE t.id = c.id",
     )
     .bind(&ids)
     .bind(&ns)

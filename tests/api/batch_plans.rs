@@ -1,14 +1,16 @@
-//! Batch statements read only their own rows, whatever join Postgres picks.
+//! Batch statements on the hot pool read only their own rows, even where the
+//! planner would rather merge-join.
 //!
 //! Every batch statement joins its items (an `UNNEST` of ids) with a large
-//! table. For a large table the planner may pick a merge join, which walks
-//! the table's index from its first entry: it reads every row that sorts
-//! before the batch's last one (seen in a full bench run, where order-pay
-//! fell to 0.6x of pgbench). So each statement also names the batch's ids on
-//! the table itself (`t.id = ANY($1)`). Each test here lets Postgres only
-//! merge-join on the connection that runs the batch (no nested loop, no hash
-//! join), places 20,000 rows before the batch's rows, and counts the rows
-//! the statement read: about the batch's, never the 20,000.
+//! table. A merge join walks the table's index from its first entry: it
+//! reads every row that sorts before the batch's last one (seen in a full
+//! bench run, where order-pay fell to 0.6x of pgbench). The hot pool's
+//! sessions do not merge-join (`durable::hot_connect_options`). Each test
+//! runs a batch on a connection with the hot pool's options where nested
+//! loops and hash joins are off as well, so that a merge join is what the
+//! planner would pick if it may; it places 20,000 rows before the batch's
+//! and counts the rows the statement read: about the batch's, never the
+//! 20,000.
 
 use std::collections::HashMap;
 
@@ -17,11 +19,12 @@ use idempotency_ledger::config::Durability;
 use idempotency_ledger::domain::key::{identity, ClientKey};
 use idempotency_ledger::domain::BizType;
 use idempotency_ledger::durable::batch::{consume_batch, finish_batch, ConsumeItem, FinishItem};
+use idempotency_ledger::durable::hot_connect_options;
 use idempotency_ledger::durable::key_batch::{consume_key_batch, KeyItem};
 use idempotency_ledger::durable::tokens::{self, ConsumeRow, TokenRecord};
 use idempotency_ledger::journal::{self, apply_entries, AT, GEN};
-use sqlx::postgres::PgPoolOptions;
-use sqlx::{Executor, PgPool};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::PgPool;
 
 use crate::helpers::*;
 
@@ -34,10 +37,11 @@ const BOUND: i64 = 1_000;
 /// A fresh, migrated database with no service running on it (so no
 /// background task reads `tokens` meanwhile), holding `BEFORE` issued
 /// tokens (ids 1 to 20,000) and `BEFORE` client keys (the lowest ids of
-/// all), analyzed. Its URL.
-async fn database_with_rows_before() -> String {
+/// all), analyzed. Its URL, and the hot pool's options for it.
+async fn database_with_rows_before() -> (String, PgConnectOptions) {
     let app = spawn_app().await;
     let url = app.stores.db_url();
+    let hot = hot_connect_options(&app.stores.settings().postgres).expect("hot options");
     app.stop().await;
     let pg = PgPoolOptions::new()
         .max_connections(1)
@@ -70,23 +74,27 @@ async fn database_with_rows_before() -> String {
         .await
         .expect("analyze");
     pg.close().await;
-    url
+    (url, hot)
 }
 
-/// A pool of one connection on which Postgres may only merge-join.
-async fn merge_joins_only(url: &str) -> PgPool {
-    PgPoolOptions::new()
+/// A pool of one connection with the hot pool's options, on which a merge
+/// join is the plan Postgres would pick if it may (no nested loops, no
+/// hash joins).
+async fn would_merge_join(hot: PgConnectOptions) -> PgPool {
+    let pool = PgPoolOptions::new()
         .max_connections(1)
-        .after_connect(|conn, _| {
-            Box::pin(async move {
-                conn.execute("SET enable_nestloop = off").await?;
-                conn.execute("SET enable_hashjoin = off").await?;
-                Ok(())
-            })
-        })
-        .connect(url)
+        .connect_with(hot.options([("enable_nestloop", "off"), ("enable_hashjoin", "off")]))
         .await
-        .expect("merge-join pool")
+        .expect("pool");
+    let off: Vec<String> = sqlx::query_scalar(
+        "SELECT name FROM pg_settings
+          WHERE name IN ('enable_nestloop', 'enable_hashjoin') AND setting = 'off'",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("settings");
+    assert_eq!(off.len(), 2, "{off:?}");
+    pool
 }
 
 /// Rows of `tokens` (every partition) that index and sequential scans have
@@ -143,8 +151,8 @@ async fn consumed(url: &str, rec: &TokenRecord) {
 /// The consume batch (`durable::batch::consume_batch`) reads the rows it
 /// did not claim back from `tokens`, joined with its items.
 #[tokio::test]
-async fn a_consume_batch_reads_only_its_own_tokens_whatever_the_join() {
-    let url = database_with_rows_before().await;
+async fn a_consume_batch_reads_only_its_own_tokens_on_the_hot_pool() {
+    let (url, hot) = database_with_rows_before().await;
     let records: Vec<TokenRecord> = (1..=10).map(record).collect();
     // Half already consumed: their rows are read back for their answers.
     for rec in &records[..5] {
@@ -160,7 +168,7 @@ async fn a_consume_batch_reads_only_its_own_tokens_whatever_the_join() {
         .collect();
     let refs: Vec<&ConsumeItem> = items.iter().collect();
 
-    let pool = merge_joins_only(&url).await;
+    let pool = would_merge_join(hot).await;
     let before = tokens_read(&pool).await;
     let answers = consume_batch(&pool, &refs).await.expect("batch");
     let read = tokens_read(&pool).await - before;
@@ -180,8 +188,8 @@ async fn a_consume_batch_reads_only_its_own_tokens_whatever_the_join() {
 /// The client keys' consume batch (`durable::key_batch`) reads the keys it
 /// did not claim back the same way.
 #[tokio::test]
-async fn a_key_batch_reads_only_its_own_keys_whatever_the_join() {
-    let url = database_with_rows_before().await;
+async fn a_key_batch_reads_only_its_own_keys_on_the_hot_pool() {
+    let (url, hot) = database_with_rows_before().await;
     let biz = BizType::parse("order").expect("biz");
     let now = Utc::now();
     let records: Vec<TokenRecord> = (1..=10)
@@ -222,7 +230,7 @@ async fn a_key_batch_reads_only_its_own_keys_whatever_the_join() {
         "{first:?}"
     );
 
-    let pool = merge_joins_only(&url).await;
+    let pool = would_merge_join(hot).await;
     let before = tokens_read(&pool).await;
     let answers = consume_key_batch(&pool, &refs).await.expect("batch");
     let read = tokens_read(&pool).await - before;
@@ -242,8 +250,8 @@ async fn a_key_batch_reads_only_its_own_keys_whatever_the_join() {
 /// The results and releases batch (`durable::batch::finish_batch`) updates
 /// its rows joined with its items.
 #[tokio::test]
-async fn a_result_and_release_batch_reads_only_its_own_tokens_whatever_the_join() {
-    let url = database_with_rows_before().await;
+async fn a_result_and_release_batch_reads_only_its_own_tokens_on_the_hot_pool() {
+    let (url, hot) = database_with_rows_before().await;
     let records: Vec<TokenRecord> = (1..=10).map(record).collect();
     for rec in &records {
         consumed(&url, rec).await;
@@ -270,7 +278,7 @@ async fn a_result_and_release_batch_reads_only_its_own_tokens_whatever_the_join(
         .collect();
     let refs: Vec<&FinishItem> = items.iter().collect();
 
-    let pool = merge_joins_only(&url).await;
+    let pool = would_merge_join(hot).await;
     let before = tokens_read(&pool).await;
     let answers = finish_batch(&pool, &refs).await.expect("batch");
     let read = tokens_read(&pool).await - before;
@@ -291,8 +299,8 @@ async fn a_result_and_release_batch_reads_only_its_own_tokens_whatever_the_join(
 /// The journal's apply (`durable::journal::apply`) looks its entries' rows
 /// up in `tokens` for their audit rows and conflicts.
 #[tokio::test]
-async fn a_journal_batch_reads_only_its_own_tokens_whatever_the_join() {
-    let url = database_with_rows_before().await;
+async fn a_journal_batch_reads_only_its_own_tokens_on_the_hot_pool() {
+    let (url, hot) = database_with_rows_before().await;
     let at = Utc::now().timestamp_millis();
     let entries: Vec<_> = (1..=10)
         .map(|i| {
@@ -320,7 +328,7 @@ async fn a_journal_batch_reads_only_its_own_tokens_whatever_the_join() {
         .await
         .expect("first apply");
 
-    let pool = merge_joins_only(&url).await;
+    let pool = would_merge_join(hot).await;
     let before = tokens_read(&pool).await;
     apply_entries(&pool, &entries).await.expect("apply");
     let read = tokens_read(&pool).await - before;
@@ -342,15 +350,15 @@ async fn a_journal_batch_reads_only_its_own_tokens_whatever_the_join() {
 /// The duplicate attempts' counts (`durable::tokens::add_duplicates`)
 /// update their tokens joined with the counts.
 #[tokio::test]
-async fn duplicate_counts_read_only_their_own_tokens_whatever_the_join() {
-    let url = database_with_rows_before().await;
+async fn duplicate_counts_read_only_their_own_tokens_on_the_hot_pool() {
+    let (url, hot) = database_with_rows_before().await;
     let records: Vec<TokenRecord> = (1..=10).map(record).collect();
     for rec in &records {
         consumed(&url, rec).await;
     }
     let counts: HashMap<i64, i64> = records.iter().map(|r| (r.id, 3)).collect();
 
-    let pool = merge_joins_only(&url).await;
+    let pool = would_merge_join(hot).await;
     let before = tokens_read(&pool).await;
     tokens::add_duplicates(&pool, &counts)
         .await

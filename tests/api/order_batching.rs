@@ -1016,7 +1016,8 @@ async fn orders_before_the_batch(pg: &sqlx::PgPool, subject: &str) {
     sqlx::query("ANALYZE orders").execute(pg).await.unwrap();
 }
 
-/// A transaction in which Postgres may only merge-join.
+/// A transaction without nested loops and hash joins: a merge join is what
+/// Postgres picks if `pg`'s sessions allow it.
 async fn merge_joins_only(pg: &sqlx::PgPool) -> sqlx::Transaction<'static, sqlx::Postgres> {
     let mut tx = pg.begin().await.unwrap();
     for off in [
@@ -1087,16 +1088,20 @@ async fn a_batch_locks_its_orders_without_reading_the_orders_before_them() {
 }
 
 /// A batch's events update their orders joined with the batch's items
-/// (`durable::orders::write_events`): the same merge join as the lock's
-/// above read every order sorting before the batch's last one. Only that
-/// plan is allowed here, 20,000 orders sort before the 10 paid, and the
-/// statement must read about 10 orders, not 20,000.
+/// (`durable::orders::write_events`): merge-joined, as the lock above was,
+/// it read every order sorting before the batch's last one. On the hot
+/// pool's sessions Postgres does not merge-join
+/// (`durable::hot_connect_options`): here nested loops and hash joins are
+/// off too, so that a merge join is what it would pick if it may, 20,000
+/// orders sort before the 10 paid, and the statement must read about 10
+/// orders, not 20,000.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_batch_pays_its_orders_without_reading_the_orders_before_them() {
     use chrono::{Duration, Utc};
     use idempotency_ledger::config::Durability;
     use idempotency_ledger::domain::order::OrderState;
     use idempotency_ledger::domain::AuditKind;
+    use idempotency_ledger::durable::hot_connect_options;
     use idempotency_ledger::durable::orders::{write_events, OrderChange};
     use idempotency_ledger::durable::tokens::TokenRecord;
 
@@ -1134,7 +1139,12 @@ async fn a_batch_pays_its_orders_without_reading_the_orders_before_them() {
         .collect();
     let items: Vec<(&TokenRecord, &OrderChange<'_>)> = records.iter().zip(&changes).collect();
 
-    let mut tx = merge_joins_only(&pg).await;
+    let hot = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(hot_connect_options(&app.stores.settings().postgres).unwrap())
+        .await
+        .unwrap();
+    let mut tx = merge_joins_only(&hot).await;
     let claimed = write_events(&mut tx, &items).await.expect("write_events");
     assert!(claimed.iter().all(Option::is_some), "{claimed:?}");
     let read = orders_read(&mut tx).await;
