@@ -144,6 +144,9 @@ def cpu_per_request(rec):
     us["total"] = round(c["busy_s"] * 1e6 / n, 1)
     cap = c["span_s"] * c["cpus"]
     rec["cpu_us"] = us
+    # What `other` holds: the busiest processes outside every group.
+    rec["other_us"] = [(name, round(secs * 1e6 / n, 1)) for name, secs in c.get("other_top_s", [])
+                       if secs * 1e6 / n >= 1.0]
     rec["cpu_idle_pct"] = round(100.0 * c["idle_s"] / cap, 1) if cap > 0 else None
     return rec
 
@@ -314,6 +317,14 @@ def report(results_path, machine_path, out_json, out_md):
                 fmt(u.get("total"), 1),
                 f"{r['cpu_idle_pct']:.0f} %" if r.get("cpu_idle_pct") is not None else "-"))
         lines.append("")
+        named = [(r["name"], r["other_us"]) for r in with_cpu if r.get("other_us")]
+        if named:
+            lines.append("What `other` held (µs per request: the busiest processes outside every group, with the "
+                         "children they reaped; the rest of `other` is interrupts and processes that came and went):")
+            lines.append("")
+            for name, parts in named:
+                lines.append(f"- {name}: " + ", ".join(f"{p} {fmt(us, 1)}" for p, us in parts))
+            lines.append("")
     for k in ("memory", "bloom", "cross_checks", "waiters"):
         if machine.get(k):
             lines.append(f"- {k}: {machine[k]}")

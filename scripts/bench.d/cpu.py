@@ -22,6 +22,9 @@
 
       and the machine's idle time (idle + iowait of /proc/stat), so that a
       run that left the cores idle (bound by latency, not CPU) shows it.
+      What `other` holds is named: the processes outside every group that
+      used the most CPU in the window, with the children they reaped (by
+      name, up to five; a child reaped in the window counts whole).
 
       Every process is read every 0.25 s while CMD runs. The measured window
       ends at the last reading in which the load generator was alive; with --window it starts
@@ -64,8 +67,10 @@ def group_of(pid, comm):
 
 
 def reading():
-    """(monotonic time, seconds of CPU per group, machine busy s, machine idle s)."""
+    """(monotonic time, seconds of CPU per group, machine busy s, machine idle s,
+    {pid: (name, s)} of the processes outside every group)."""
     groups = {}
+    outside = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -77,12 +82,14 @@ def reading():
         # comm is in parentheses and may hold spaces: split after the last ')'.
         comm = raw[raw.index("(") + 1:raw.rindex(")")]
         g = group_of(pid, comm)
-        if g is None:
-            continue
         fields = raw[raw.rindex(")") + 2:].split()
         # fields[0] is state (field 3); utime, stime, cutime, cstime are fields 14-17.
         utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
         ticks = utime + stime
+        if g is None:
+            # With the children it reaped: a process that runs short ones.
+            outside[pid] = (comm, (ticks + cutime + cstime) / TICK)
+            continue
         if g == "postgres":
             ticks += cutime + cstime
         groups[g] = groups.get(g, 0) + ticks / TICK
@@ -91,7 +98,7 @@ def reading():
     # user nice system idle iowait irq softirq steal guest guest_nice
     idle = v[3] + v[4]
     busy = sum(v[:8]) - idle
-    return time.monotonic(), groups, busy / TICK, idle / TICK
+    return time.monotonic(), groups, busy / TICK, idle / TICK, outside
 
 
 def run(out_path, window, cmd):
@@ -124,10 +131,17 @@ def run(out_path, window, cmd):
     groups = {g: max(0.0, end[1].get(g, 0) - start[1].get(g, 0)) for g in set(start[1]) | set(end[1])}
     busy = end[2] - start[2]
     groups["other"] = max(0.0, busy - sum(groups.values()))
+    # The processes outside every group alive at both ends, by name.
+    by_name = {}
+    for pid, (comm, secs) in end[4].items():
+        if pid in start[4] and start[4][pid][0] == comm:
+            by_name[comm] = by_name.get(comm, 0.0) + secs - start[4][pid][1]
+    top = sorted(((n, round(t, 3)) for n, t in by_name.items() if t > 0), key=lambda x: -x[1])[:5]
     with open(out_path, "w") as f:
         json.dump({"span_s": round(span, 3), "window_s": window, "cpus": os.cpu_count(),
                    "busy_s": round(busy, 3), "idle_s": round(end[3] - start[3], 3),
-                   "groups_s": {k: round(v, 3) for k, v in groups.items()}}, f)
+                   "groups_s": {k: round(v, 3) for k, v in groups.items()},
+                   "other_top_s": top}, f)
     return rc
 
 
