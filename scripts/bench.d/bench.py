@@ -144,9 +144,13 @@ def cpu_per_request(rec):
     us["total"] = round(c["busy_s"] * 1e6 / n, 1)
     cap = c["span_s"] * c["cpus"]
     rec["cpu_us"] = us
-    # What `other` holds: the busiest processes outside every group.
+    # What `other` holds: the busiest processes outside every group; and
+    # the time the hypervisor took (in no column).
     rec["other_us"] = [(name, round(secs * 1e6 / n, 1)) for name, secs in c.get("other_top_s", [])
                        if secs * 1e6 / n >= 1.0]
+    steal = c.get("steal_s", 0.0) * 1e6 / n
+    if steal >= 1.0:
+        rec["other_us"].append(("(stolen by the hypervisor, in no column)", round(steal, 1)))
     rec["cpu_idle_pct"] = round(100.0 * c["idle_s"] / cap, 1) if cap > 0 else None
     return rec
 

@@ -21,7 +21,9 @@
                    threads (ksoftirqd, kworkers), interrupts, other processes
 
       and the machine's idle time (idle + iowait of /proc/stat), so that a
-      run that left the cores idle (bound by latency, not CPU) shows it.
+      run that left the cores idle (bound by latency, not CPU) shows it, and
+      the time the hypervisor gave the cores to someone else (steal), which
+      is no group's and not in the machine's busy time.
       What `other` holds is named: the processes outside every group that
       used the most CPU in the window, with the children they reaped (by
       name, up to five; a child reaped in the window counts whole).
@@ -68,7 +70,7 @@ def group_of(pid, comm):
 
 def reading():
     """(monotonic time, seconds of CPU per group, machine busy s, machine idle s,
-    {pid: (name, s)} of the processes outside every group)."""
+    {pid: (name, s)} of the processes outside every group, machine steal s)."""
     groups = {}
     outside = {}
     for pid in os.listdir("/proc"):
@@ -97,8 +99,9 @@ def reading():
         v = [int(x) for x in f.readline().split()[1:]]
     # user nice system idle iowait irq softirq steal guest guest_nice
     idle = v[3] + v[4]
-    busy = sum(v[:8]) - idle
-    return time.monotonic(), groups, busy / TICK, idle / TICK, outside
+    steal = v[7]
+    busy = sum(v[:7]) - idle
+    return time.monotonic(), groups, busy / TICK, idle / TICK, outside, steal / TICK
 
 
 def run(out_path, window, cmd):
@@ -141,7 +144,7 @@ def run(out_path, window, cmd):
         json.dump({"span_s": round(span, 3), "window_s": window, "cpus": os.cpu_count(),
                    "busy_s": round(busy, 3), "idle_s": round(end[3] - start[3], 3),
                    "groups_s": {k: round(v, 3) for k, v in groups.items()},
-                   "other_top_s": top}, f)
+                   "steal_s": round(end[5] - start[5], 3), "other_top_s": top}, f)
     return rc
 
 
