@@ -22,7 +22,7 @@ use idempotency_ledger::durable::batch::{consume_batch, finish_batch, ConsumeIte
 use idempotency_ledger::durable::hot_connect_options;
 use idempotency_ledger::durable::key_batch::{consume_key_batch, KeyItem};
 use idempotency_ledger::durable::tokens::{self, ConsumeRow, TokenRecord};
-use idempotency_ledger::journal::{self, apply_entries, AT, GEN};
+use idempotency_ledger::journal::apply_entries;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
@@ -319,18 +319,7 @@ async fn a_journal_batch_reads_only_its_own_tokens_on_the_hot_pool() {
                 biz_type: "like".into(),
                 ..record(i)
             };
-            let mut fields: HashMap<String, Vec<u8>> =
-                journal::consume_fields(&rec, Some("r-journal"), None)
-                    .fields()
-                    .into_iter()
-                    .map(|(k, v)| (k.to_owned(), v.into_bytes()))
-                    .collect();
-            fields.insert(AT.to_owned(), at.to_string().into_bytes());
-            fields.insert(GEN.to_owned(), b"1".to_vec());
-            idempotency_ledger::fast::JournalEntry {
-                id: format!("plan-{i}"),
-                fields,
-            }
+            journal_entries::consume_entry(&format!("plan-{i}"), &rec, "r-journal", at)
         })
         .collect();
     // Once to write the rows, then again: every entry meets its row.

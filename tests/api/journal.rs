@@ -2,29 +2,17 @@
 //! drainer and the going-down flush share): a second consume decision for
 //! one generation of a token is kept as evidence, never dropped.
 
-use std::collections::HashMap;
-
 use chrono::{Duration, Utc};
 use idempotency_ledger::config::Durability;
 use idempotency_ledger::durable::tokens::TokenRecord;
 use idempotency_ledger::fast::JournalEntry;
-use idempotency_ledger::journal::{self, apply_entries, AT, GEN};
+use idempotency_ledger::journal::apply_entries;
 
 use crate::helpers::*;
 
 /// A fast consume's journal entry, as the consume script completes it.
 fn consume_entry(rec: &TokenRecord, rid: &str, at_ms: i64) -> JournalEntry {
-    let mut fields: HashMap<String, Vec<u8>> = journal::consume_fields(rec, Some(rid), None)
-        .fields()
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v.into_bytes()))
-        .collect();
-    fields.insert(AT.to_owned(), at_ms.to_string().into_bytes());
-    fields.insert(GEN.to_owned(), b"1".to_vec());
-    JournalEntry {
-        id: format!("test-{rid}"),
-        fields,
-    }
+    journal_entries::consume_entry(&format!("test-{rid}"), rec, rid, at_ms)
 }
 
 /// Issue 24, item 10: when two deciders collided, the second decision of a

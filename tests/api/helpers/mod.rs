@@ -6,8 +6,9 @@
 //! serves: [`tiers`] (a test's own fast tier and reconciler), [`calls`]
 //! (one-line route calls), [`scrape`] (`/metrics` samples), [`cluster`] (a
 //! private cluster's masters and slot moves), [`fleet_answers`] (the fleet
-//! tests' consumes), [`bounded`] (the fault tests' bounded calls), [`link`]
-//! (a proxy to stall or cut). Test files never import each other.
+//! tests' consumes), [`journal_entries`] (fast consumes' journal entries),
+//! [`bounded`] (the fault tests' bounded calls), [`link`] (a proxy to stall
+//! or cut). Test files never import each other.
 
 use std::process::Output;
 use std::sync::Arc;
@@ -26,6 +27,7 @@ pub mod bounded;
 pub mod calls;
 pub mod cluster;
 pub mod fleet_answers;
+pub mod journal_entries;
 pub mod link;
 pub mod procs;
 pub mod scrape;
