@@ -53,8 +53,19 @@ pub fn connect_options(settings: &PostgresSettings) -> Result<PgConnectOptions, 
 /// 10 orders). Ruled out for the session, it is ruled out for every hot
 /// statement, those to come included, without changing their plans
 /// otherwise (`tests/api/batch_plans.rs`).
+///
+/// Nor JIT compilation. Postgres compiles a statement with LLVM when its
+/// estimated cost passes `jit_above_cost` (100,000 by default), which no
+/// statement reading a handful of rows needs; but an estimate that is far
+/// off, or a plan left with a join the session ruled out (each costed
+/// 10^10), passes it, and the statement is compiled before it runs. With
+/// every join method ruled out (`tests/api/batch_plans.rs`), the results
+/// and releases batch compiled for 1.1 s on an idle machine and ran past
+/// the 5 s `statement_timeout` on a loaded one. On the payment path that
+/// is latency for nothing, so it is off there; the admin pool's long scans
+/// keep it.
 pub fn hot_connect_options(settings: &PostgresSettings) -> Result<PgConnectOptions, sqlx::Error> {
-    Ok(connect_options(settings)?.options([("enable_mergejoin", "off")]))
+    Ok(connect_options(settings)?.options([("enable_mergejoin", "off"), ("jit", "off")]))
 }
 
 /// [`connect_options`] for the server at `url` (the primary's or the

@@ -377,3 +377,42 @@ async fn duplicate_counts_read_only_their_own_tokens_on_the_hot_pool() {
         "{read} index entries and rows of tokens read for 10 counts"
     );
 }
+
+/// JIT compilation is off on the hot pool. A hot statement reads a handful
+/// of rows, but a plan left with a join method the session ruled out is
+/// costed 10^10, past `jit_above_cost`, and Postgres compiled it with LLVM
+/// before running it: the results and releases batch above took 1.1 s on
+/// an idle machine and failed on the 5 s `statement_timeout` on a loaded
+/// one. The same statement, planned the same way, is compiled on a
+/// connection with Postgres's defaults (so this test can fail) and not on
+/// the hot pool's.
+#[tokio::test]
+async fn the_hot_pool_never_compiles_a_statement_with_jit() {
+    let (url, hot) = database_with_rows_before().await;
+    // A self-join of `tokens` with no join method left: costed past every
+    // JIT threshold.
+    let statement = "EXPLAIN (ANALYZE, FORMAT JSON)
+                     SELECT count(*) FROM tokens a JOIN tokens b ON a.id = b.id";
+    let compiled = |plan: &serde_json::Value| plan[0].get("JIT").is_some();
+
+    let defaults: PgConnectOptions = url.parse().expect("url");
+    let control = would_merge_join(defaults.options([("enable_mergejoin", "off")])).await;
+    let jit_available: bool = sqlx::query_scalar("SELECT pg_jit_available()")
+        .fetch_one(&control)
+        .await
+        .expect("jit available");
+    let plan: serde_json::Value = sqlx::query_scalar(statement)
+        .fetch_one(&control)
+        .await
+        .expect("control plan");
+    if jit_available {
+        assert!(compiled(&plan), "Postgres's defaults compile it: {plan}");
+    }
+
+    let pool = would_merge_join(hot).await;
+    let plan: serde_json::Value = sqlx::query_scalar(statement)
+        .fetch_one(&pool)
+        .await
+        .expect("hot plan");
+    assert!(!compiled(&plan), "the hot pool compiled it: {plan}");
+}
