@@ -612,22 +612,46 @@ pub async fn apply_journal_consumes(
     Ok(done)
 }
 
-/// Adds duplicate-attempt counts seen since the last flush.
-pub async fn add_duplicates(pool: &PgPool, counts: &HashMap<i64, i64>) -> Result<(), DurableError> {
+/// Adds duplicate-attempt counts seen since the last flush to the rows no
+/// other transaction holds, and answers the ids of the rows it skipped
+/// because one did: their counts are not added (keep them for the next
+/// flush). Counts of rows that do not exist are dropped.
+///
+/// It never waits for a row lock. The payment path's batches lock their
+/// rows in id order, so that they never deadlock with each other; counts
+/// arrive in no order, and an update that locked them as it met them
+/// deadlocked with a consume batch of the same tokens (a double-click
+/// storm: the batch lost, and its consumes answered 503 after Postgres's
+/// 1 s `deadlock_timeout`). A statement that waits for nothing is in no
+/// deadlock, and keeps no payment waiting longer than its own run.
+pub async fn add_duplicates(
+    pool: &PgPool,
+    counts: &HashMap<i64, i64>,
+) -> Result<Vec<i64>, DurableError> {
     if counts.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let ids: Vec<i64> = counts.keys().copied().collect();
     let ns: Vec<i64> = ids.iter().map(|i| counts[i]).collect();
-    sqlx::query(
-        "UPDATE tokens t SET duplicate_attempts = t.duplicate_attempts + c.n
-           FROM UNNEST($1::bigint[], $2::bigint[]) AS c(id, n) WHERE t.id = c.id",
+    // Run once, never again on another connection: a count added twice is
+    // worse than one kept for the next flush.
+    let skipped: Vec<i64> = sqlx::query_scalar(
+        "WITH c AS (
+            SELECT * FROM UNNEST($1::bigint[], $2::bigint[]) AS c(id, n)
+         ), lk AS (
+            SELECT t.id FROM tokens t WHERE t.id = ANY($1) FOR UPDATE SKIP LOCKED
+         ), upd AS (
+            UPDATE tokens t SET duplicate_attempts = t.duplicate_attempts + c.n
+              FROM c WHERE t.id = c.id AND t.id IN (SELECT id FROM lk)
+            RETURNING t.id
+         )
+         SELECT t.id FROM tokens t WHERE t.id = ANY($1) AND t.id NOT IN (SELECT id FROM upd)",
     )
     .bind(&ids)
     .bind(&ns)
-    .execute(pool)
+    .fetch_all(pool)
     .await?;
-    Ok(())
+    Ok(skipped)
 }
 
 /// Adds this instance's counters into the fleet-wide per-minute table.

@@ -262,8 +262,10 @@ impl WriterTask {
     }
 
     async fn flush_counters(&self, dups: &mut HashMap<i64, i64>) {
-        if tokens::add_duplicates(&self.pool, dups).await.is_ok() {
-            dups.clear();
+        // Counts of rows a payment statement held stay for the next round.
+        if let Ok(skipped) = tokens::add_duplicates(&self.pool, dups).await {
+            let skipped: HashSet<i64> = skipped.into_iter().collect();
+            dups.retain(|id, _| skipped.contains(id));
         }
         let counts = self.metrics.take_stats();
         if counts.is_empty() {

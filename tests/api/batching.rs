@@ -678,3 +678,62 @@ async fn a_batch_whose_follow_up_read_fails_still_answers_its_winner() {
         .expect("row");
     assert_eq!(state, "consumed");
 }
+
+/// Found by the bench's double-click storm, which answered 503 to 5 to 13
+/// requests in some runs (after 1 s each). The issuance writer's duplicate
+/// counts (`durable::tokens::add_duplicates`) updated their tokens in no
+/// particular order, while a consume batch locks its tokens in id order:
+/// with the storm's tokens in both, the two deadlocked, Postgres failed one
+/// of them after its 1 s `deadlock_timeout`, and when that was the batch,
+/// its consumes answered 503. The counts now never wait for a row lock: a
+/// row another transaction holds is skipped, and its count is kept for the
+/// next flush. Before, the update below waited for the held row.
+#[tokio::test]
+async fn duplicate_counts_never_wait_for_a_row_a_consume_holds() {
+    let app = spawn_app().await;
+    let pg = app.pg().await;
+    let (held, free) = (
+        record(301, Duration::hours(1)),
+        record(302, Duration::hours(1)),
+    );
+    for rec in [&held, &free] {
+        tokens::insert_issued(&pg, std::slice::from_ref(rec), uuid::Uuid::nil(), &[])
+            .await
+            .unwrap();
+        tokens::consume(&pg, rec, None, Some("r-first"))
+            .await
+            .unwrap();
+    }
+    // A consume batch in the middle of its statement holds `held`'s row.
+    let mut batch = pg.begin().await.unwrap();
+    sqlx::query("SELECT id FROM tokens WHERE id = $1 FOR UPDATE")
+        .bind(held.id)
+        .execute(&mut *batch)
+        .await
+        .unwrap();
+
+    let counts = std::collections::HashMap::from([(held.id, 2), (free.id, 3)]);
+    let skipped = tokio::time::timeout(
+        std::time::Duration::from_secs(3),
+        tokens::add_duplicates(&pg, &counts),
+    )
+    .await
+    .expect("the counts waited for the row the batch holds")
+    .unwrap();
+    assert_eq!(skipped, vec![held.id], "only the held row is skipped");
+
+    // The batch ends; the next flush adds the count it kept.
+    batch.commit().await.unwrap();
+    let kept = std::collections::HashMap::from([(held.id, 2)]);
+    assert_eq!(
+        tokens::add_duplicates(&pg, &kept).await.unwrap(),
+        Vec::<i64>::new()
+    );
+    let counted: Vec<(i64, i64)> =
+        sqlx::query_as("SELECT id, duplicate_attempts FROM tokens WHERE id = ANY($1) ORDER BY id")
+            .bind(vec![held.id, free.id])
+            .fetch_all(&pg)
+            .await
+            .unwrap();
+    assert_eq!(counted, vec![(held.id, 2), (free.id, 3)]);
+}
