@@ -737,3 +737,52 @@ async fn duplicate_counts_never_wait_for_a_row_a_consume_holds() {
             .unwrap();
     assert_eq!(counted, vec![(held.id, 2), (free.id, 3)]);
 }
+
+/// The issuance writer flushes duplicate counts a few hundred tokens per
+/// statement (each statement holds its rows until it commits, and a
+/// payment that needs one waits): the counts of more tokens than one
+/// statement takes all arrive, each once.
+#[tokio::test]
+async fn duplicate_counts_of_more_tokens_than_one_statement_takes_all_arrive() {
+    const TOKENS: usize = 1_100;
+    let app = Arc::new(spawn_app().await);
+    let mut tasks = tokio::task::JoinSet::new();
+    for worker in 0..16 {
+        let app = app.clone();
+        tasks.spawn(async move {
+            for i in (worker..TOKENS).step_by(16) {
+                let subject = format!("u-dup-{i}");
+                let token = app.issue(PAYMENTS, "order", &subject).await;
+                for want in ["consumed", "duplicate"] {
+                    let (status, _, body) =
+                        calls::consume(&app, &token, json!({"subject": subject})).await;
+                    assert_eq!(
+                        (status, body["outcome"].as_str()),
+                        (StatusCode::OK, Some(want)),
+                        "{body}"
+                    );
+                }
+            }
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap();
+    }
+    let pg = app.pg().await;
+    let counted = eventually(20, || {
+        let pg = pg.clone();
+        async move {
+            let (tokens, total): (i64, i64) = sqlx::query_as(
+                "SELECT count(*) FILTER (WHERE duplicate_attempts > 0),
+                        coalesce(sum(duplicate_attempts), 0)::bigint
+                   FROM tokens WHERE subject LIKE 'u-dup-%'",
+            )
+            .fetch_one(&pg)
+            .await
+            .ok()?;
+            (tokens == TOKENS as i64).then_some(total)
+        }
+    })
+    .await;
+    assert_eq!(counted, TOKENS as i64, "each duplicate counted once");
+}
