@@ -654,7 +654,12 @@ pub async fn add_duplicates(
     Ok(skipped)
 }
 
-/// Adds this instance's counters into the fleet-wide per-minute table.
+/// Adds this instance's counters into the fleet-wide per-minute table, a
+/// row per biz type, upserted in biz type order: every instance flushes the
+/// same rows, and two that locked them in the orders of their own hash maps
+/// could deadlock (each holding a row the other waits for, until Postgres
+/// fails one after its 1 s `deadlock_timeout`, with the issuance writer
+/// stalled meanwhile).
 pub async fn flush_stats(
     pool: &PgPool,
     minute: DateTime<Utc>,
@@ -666,7 +671,9 @@ pub async fn flush_stats(
     let mut biz = Vec::new();
     let (mut a, mut b, mut c, mut d, mut e) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for (k, v) in counts {
+    let mut sorted: Vec<(&String, &StatCounts)> = counts.iter().collect();
+    sorted.sort_unstable_by(|x, y| x.0.cmp(y.0));
+    for (k, v) in sorted {
         biz.push(k.as_str());
         a.push(v.issued);
         b.push(v.consumed);

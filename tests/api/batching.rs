@@ -786,3 +786,84 @@ async fn duplicate_counts_of_more_tokens_than_one_statement_takes_all_arrive() {
     .await;
     assert_eq!(counted, TOKENS as i64, "each duplicate counted once");
 }
+
+/// Every instance's issuance writer upserts the same `stats_minutely` rows
+/// (one per minute and biz type). Each locked them in the order of its own
+/// hash map, so two instances could each hold a row the other waited for:
+/// a deadlock, which Postgres ends after 1 s by failing one, with that
+/// instance's issuance writer stalled meanwhile. They now lock in biz type
+/// order. Here another instance holds the first row; the flush waits for
+/// it holding no other row (before, it held the rows its hash map put
+/// first, and this test failed in 2 of 3 runs).
+#[tokio::test]
+async fn stats_flushes_lock_their_rows_in_biz_type_order() {
+    use idempotency_ledger::metrics::StatCounts;
+
+    let app = spawn_app().await;
+    let pg = app.pg().await;
+    let minute = chrono::DateTime::parse_from_rfc3339("2026-01-01T00:00:00Z")
+        .unwrap()
+        .with_timezone(&Utc);
+    let biz: Vec<String> = (0..16).map(|i| format!("b{i:02}")).collect();
+    let one = StatCounts {
+        issued: 1,
+        ..StatCounts::default()
+    };
+    let counts: std::collections::HashMap<String, StatCounts> =
+        biz.iter().map(|b| (b.clone(), one)).collect();
+    tokens::flush_stats(&pg, minute, &counts).await.unwrap();
+
+    // Another instance's flush holds the first row.
+    let mut other = pg.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM stats_minutely WHERE minute = $1 AND biz_type = $2 FOR UPDATE")
+        .bind(minute)
+        .bind(&biz[0])
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    let flush_pool = app.pg().await;
+    let flush =
+        tokio::spawn(async move { tokens::flush_stats(&flush_pool, minute, &counts).await });
+    // Until the flush waits for that row.
+    eventually(10, || {
+        let pg = pg.clone();
+        async move {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE datname = current_database() AND wait_event_type = 'Lock'
+                    AND query LIKE '%INSERT INTO stats_minutely%'",
+            )
+            .fetch_one(&pg)
+            .await
+            .ok()?;
+            (waiting == 1).then_some(())
+        }
+    })
+    .await;
+    // It holds none of the other rows.
+    let mut probe = app.pg().await.begin().await.unwrap();
+    for b in &biz[1..] {
+        let locked = sqlx::query(
+            "SELECT 1 FROM stats_minutely WHERE minute = $1 AND biz_type = $2 FOR UPDATE NOWAIT",
+        )
+        .bind(minute)
+        .bind(b)
+        .execute(&mut *probe)
+        .await;
+        assert!(
+            locked.is_ok(),
+            "the waiting flush holds {b}: it locks out of order"
+        );
+    }
+    probe.rollback().await.unwrap();
+
+    other.commit().await.unwrap();
+    flush.await.unwrap().unwrap();
+    let issued: Vec<i64> =
+        sqlx::query_scalar("SELECT issued FROM stats_minutely WHERE minute = $1 ORDER BY biz_type")
+            .bind(minute)
+            .fetch_all(&pg)
+            .await
+            .unwrap();
+    assert_eq!(issued, vec![2; 16]);
+}
