@@ -867,3 +867,43 @@ async fn stats_flushes_lock_their_rows_in_biz_type_order() {
             .unwrap();
     assert_eq!(issued, vec![2; 16]);
 }
+
+/// The writer keeps the count of a row a payment held during its flush and
+/// adds it at a later one: a duplicate counted while another transaction
+/// holds its token's row arrives once the row is free, not never.
+#[tokio::test]
+async fn a_duplicate_count_skipped_while_its_row_was_held_arrives_later() {
+    let app = spawn_app().await;
+    let token = app.issue(PAYMENTS, "order", "u-held").await;
+    let body = json!({"subject": "u-held"});
+    let (_, _, first) = calls::consume(&app, &token, body.clone()).await;
+    assert_eq!(first["outcome"], "consumed", "{first}");
+    let pg = app.pg().await;
+    let id: i64 = sqlx::query_scalar("SELECT id FROM tokens WHERE token = $1")
+        .bind(&token)
+        .fetch_one(&pg)
+        .await
+        .unwrap();
+    let count = || async {
+        sqlx::query_scalar::<_, i64>("SELECT duplicate_attempts FROM tokens WHERE id = $1")
+            .bind(id)
+            .fetch_one(&app.pg().await)
+            .await
+            .unwrap()
+    };
+
+    let mut held = pg.begin().await.unwrap();
+    sqlx::query("SELECT id FROM tokens WHERE id = $1 FOR UPDATE")
+        .bind(id)
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    let (_, _, again) = calls::consume(&app, &token, body).await;
+    assert_eq!(again["outcome"], "duplicate", "{again}");
+    // At least one flush (every 2 s) meets the held row and skips it.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    assert_eq!(count().await, 0, "counted through a held row");
+    held.commit().await.unwrap();
+
+    eventually(10, || async { (count().await == 1).then_some(()) }).await;
+}
