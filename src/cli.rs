@@ -1,6 +1,7 @@
 //! The command line: `serve`, `migrate`, `reconcile` and `audit` (the last
 //! two in [`admin`]), `config check` ([`config_check`]), `client new`
-//! ([`client`]) and `health` ([`health`]). `--config FILE` is global.
+//! ([`client`]), `health` ([`health`]) and `fleet forget-silent`
+//! ([`fleet`]). `--config FILE` is global.
 //!
 //! Exit codes, for every command:
 //! - 0: done (`reconcile`: finished, even with repairs; `health`: answered 2xx);
@@ -10,7 +11,7 @@
 //! - 2: usage or configuration error, naming the problem;
 //! - 3: `reconcile`: another run holds the lock;
 //! - 4: `reconcile --fail-on-inconsistent`: finished and found `order_inconsistent`;
-//! - 5: `audit token`, `audit events`, ...: could not ask (Postgres unreachable
+//! - 5: `audit token`, `audit events`, `fleet forget-silent`, ...: could not ask (Postgres unreachable
 //!   or failing; with `--url`, nothing listening, a timeout or a 5xx: a 401
 //!   or 403 is 2, a 404 is 1); `audit verify`: a sealed checkpoint does not match (an event
 //!   edited, deleted or inserted into its range, a checkpoint changed or
@@ -21,6 +22,7 @@
 pub mod admin;
 pub mod client;
 pub mod config_check;
+pub mod fleet;
 pub mod health;
 pub mod remote;
 
@@ -89,6 +91,11 @@ pub enum Command {
     /// Ask a running service (for container health checks): exit 0 when it
     /// answers 2xx, 1 otherwise.
     Health(health::HealthArgs),
+    /// The fleet's agreement on Redis.
+    Fleet {
+        #[command(subcommand)]
+        what: fleet::FleetCommand,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -162,6 +169,7 @@ pub fn run(cli: Cli) -> ExitCode {
             }
             Command::Reconcile(args) => Ok(admin::reconcile(&settings, args).await),
             Command::Audit { url, what } => Ok(admin::audit(&settings, url, what).await),
+            Command::Fleet { what } => Ok(fleet::run(&settings, what).await),
             Command::Config { .. } | Command::Client { .. } | Command::Health(_) => {
                 unreachable!("handled before the configuration is loaded")
             }

@@ -52,6 +52,19 @@
 //!   but a partition that leaves one instance with Redis and without
 //!   Postgres can then yield two deciders).
 //!
+//! - **Dataset.** The fleet records an id in Postgres (`fleet_state`) and
+//!   in Redis (`<prefix>dataset`). A fast decision's script checks it and
+//!   decides nothing on another dataset (`foreign`): a Redis that restarted
+//!   empty, however briefly, lost markers and journal entries that Postgres
+//!   may lack. Its journal is counted as drained only on that dataset (one
+//!   `MULTI` reads both), and an instance that finds Redis foreign reports
+//!   it down, as above, so the fleet goes through an episode: every
+//!   member's recent decisions reach Postgres first, and the member that
+//!   ends it writes the id back in the transaction that turns the fleet
+//!   normal. The first member records one (a new id) while the fleet has
+//!   none. On a cluster scripts touch only their token's slot, so nothing
+//!   checks it there (see docs/operations.md).
+//!
 //! The lease, the peers' count and the order of recent decisions against
 //! the journal's emptiness are measured on the service clock's monotonic
 //! reading ([`Clock::monotonic`]), so tests drive them.
@@ -72,7 +85,7 @@ pub use crate::durable::fleet::FleetState;
 use crate::durable::fleet::{self as store, Queued};
 use crate::durable::tokens::TokenState;
 use crate::durable::DurableError;
-use crate::fast::{FastError, FastTier, JournalEntry, Marker};
+use crate::fast::{FastError, FastTier, JournalEntry, JournalState, Marker};
 use crate::metrics::Metrics;
 
 /// A journal entry as its script completed it.
@@ -100,6 +113,9 @@ pub struct View {
     confirmed: Option<Instant>,
     /// The reports since have failed on Postgres.
     pg_failing: bool,
+    /// The Redis dataset the fleet agreed on, as of that report (`None`:
+    /// none yet).
+    pub dataset: Option<Uuid>,
 }
 
 impl View {
@@ -116,6 +132,7 @@ struct FleetMetrics {
     unaccounted: IntGauge,
     reports: IntCounterVec,
     episodes: IntCounterVec,
+    foreign: IntGauge,
 }
 
 impl FleetMetrics {
@@ -159,8 +176,14 @@ impl FleetMetrics {
             &["to"],
         )
         .expect("valid metric");
+        let foreign = IntGauge::new(
+            "ledger_fleet_redis_foreign",
+            "1 while this instance finds Redis holding another dataset than the fleet agreed on (Redis restarted empty, or another server answers at its address): Redis decides no fast consume until the fleet has accounted for the decisions it may have lost (an episode: redis_down, then normal).",
+        )
+        .expect("valid metric");
         for c in [
             Box::new(state.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(foreign.clone()),
             Box::new(members.clone()),
             Box::new(redis_down_members.clone()),
             Box::new(unaccounted.clone()),
@@ -183,6 +206,7 @@ impl FleetMetrics {
             unaccounted,
             reports,
             episodes,
+            foreign,
         }
     }
 
@@ -247,6 +271,7 @@ pub struct RedisGate<'a> {
     /// monotonic reading.
     counted_until: Option<Instant>,
     clock: &'a dyn Clock,
+    dataset: Uuid,
 }
 
 /// What the lease of this instance's last report allows now.
@@ -270,6 +295,27 @@ impl RedisGate<'_> {
         self.counted_until
             .is_none_or(|until| self.clock.monotonic() < until)
     }
+
+    /// The Redis dataset the fleet agreed on: the decision is made only on
+    /// it (the consume script checks).
+    pub fn dataset(&self) -> Uuid {
+        self.dataset
+    }
+}
+
+/// How long peers count a member after its last report began:
+/// `fleet.lease + redis.timeout + 1s`.
+pub fn member_timeout(settings: &Settings) -> Duration {
+    settings.fleet.lease + settings.redis.timeout + Duration::from_secs(1)
+}
+
+/// The journal read says every entry of the agreed dataset is in
+/// Postgres (or, with no dataset checked, that the stream is empty).
+fn drained(seen: &JournalState) -> bool {
+    matches!(
+        seen,
+        JournalState::Agreed { len: 0 } | JournalState::Unchecked { len: 0 }
+    )
 }
 
 impl Fleet {
@@ -291,13 +337,14 @@ impl Fleet {
             reported_up: false,
             confirmed: None,
             pg_failing: false,
+            dataset: None,
         };
         Fleet {
             instance: Uuid::new_v4(),
             heartbeat: settings.fleet.heartbeat,
             lease,
             decide_without_postgres: settings.fleet.decide_without_postgres,
-            member_timeout: lease + settings.redis.timeout + Duration::from_secs(1),
+            member_timeout: member_timeout(settings),
             deadline,
             pool,
             fast,
@@ -327,6 +374,7 @@ impl Fleet {
         if !(v.reported_up && v.state == FleetState::Normal) {
             return None;
         }
+        let dataset = v.dataset?;
         // A script without a not-after bound could decide any time later,
         // for a caller long gone: Redis decides only once its clock is known.
         if !self.fast.knows_redis_time() {
@@ -340,6 +388,7 @@ impl Fleet {
             _held: held,
             counted_until,
             clock: &*self.clock,
+            dataset,
         })
     }
 
@@ -393,13 +442,27 @@ impl Fleet {
         }
     }
 
-    /// Looks whether the journal is drained (one `XLEN`), see
-    /// [`Self::journal_drained_before`].
-    async fn note_journal_progress(&self) {
+    /// Looks whether the journal is drained (one `MULTI`: the dataset and
+    /// `XLEN`), see [`Self::journal_drained_before`]; `false` when Redis
+    /// holds another dataset than the fleet agreed on.
+    async fn note_journal_progress(&self) -> bool {
         let probe = self.clock.monotonic();
-        if self.fast.journal_backlog_len() == 0 && matches!(self.fast.journal_len().await, Ok(0)) {
+        let seen = self.fast.journal_state(self.view().dataset).await;
+        if self.fast.journal_backlog_len() == 0 && seen.as_ref().is_ok_and(drained) {
             self.journal_drained_before(probe);
         }
+        let foreign = matches!(seen, Ok(JournalState::Foreign));
+        self.metrics.foreign.set(i64::from(foreign));
+        if foreign && !self.closing.load(Ordering::SeqCst) {
+            tracing::warn!("fleet: redis holds another dataset than the fleet agreed on (it restarted empty?): reporting it down until the fleet has written every member's recent decisions to postgres");
+        }
+        !foreign
+    }
+
+    /// A fast decision's script found Redis holding another dataset than
+    /// the fleet agreed on: report at once.
+    pub fn redis_foreign(&self) {
+        self.nudge.notify_one();
     }
 
     /// The epoch at which Postgres may decide a fast type now, or `None`
@@ -468,12 +531,14 @@ impl Fleet {
         if !self.fast.is_down() {
             self.fast.check().await;
         }
-        let up = !self.fast.is_down();
-        if up {
+        // Reachable, and (once the fleet agreed on one) on its dataset.
+        let reachable = !self.fast.is_down();
+        let mut up = reachable;
+        if reachable {
             if !self.fast.knows_redis_time() {
                 self.fast.learn_redis_time().await;
             }
-            self.note_journal_progress().await;
+            up = self.note_journal_progress().await;
         }
         if !up && !self.go_down().await {
             // Postgres did not take the flush: it is failing for us too.
@@ -529,14 +594,45 @@ impl Fleet {
             reported_up: up,
             confirmed: Some(started),
             pg_failing: false,
+            dataset: r.dataset,
         };
         self.metrics.show(&view);
         self.view.send_replace(view);
         if up && r.unaccounted > 0 {
             self.retire_silent(&r).await;
         }
-        if up && r.state == FleetState::RedisDown {
+        // A Redis on another dataset is reachable: the episode ends on it.
+        if reachable && r.state == FleetState::RedisDown {
             self.end_episode(r.epoch, started).await;
+        }
+        if reachable && r.dataset.is_none() && r.state == FleetState::Normal {
+            self.adopt_dataset().await;
+        }
+    }
+
+    /// Records a new Redis dataset for a fleet that has none (a new
+    /// database, or one from before datasets): written into Redis inside
+    /// the Postgres transaction that records it, holding the fleet row.
+    async fn adopt_dataset(&self) {
+        let tx = match self.bounded(store::begin_adopt(&self.pool)).await {
+            Ok(Some(tx)) => tx,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::debug!(error = %e, "fleet: could not lock the fleet to record a redis dataset");
+                return;
+            }
+        };
+        let dataset = Uuid::new_v4();
+        if let Err(e) = self.fast.write_dataset(dataset).await {
+            tracing::debug!(error = %e, "fleet: could not write the redis dataset");
+            return;
+        }
+        match self.bounded(store::finish_adopt(tx, dataset)).await {
+            Ok(()) => {
+                tracing::info!(%dataset, "fleet: redis dataset recorded");
+                self.view.send_modify(|v| v.dataset = Some(dataset));
+            }
+            Err(e) => tracing::debug!(error = %e, "fleet: recording the redis dataset failed"),
         }
     }
 
@@ -544,8 +640,13 @@ impl Fleet {
     /// journal is seen empty after that report: their decisions are then
     /// in Postgres (see [`store::retire`]).
     async fn retire_silent(&self, r: &store::Report) {
-        let drained =
-            self.fast.journal_backlog_len() == 0 && matches!(self.fast.journal_len().await, Ok(0));
+        let drained = self.fast.journal_backlog_len() == 0
+            && self
+                .fast
+                .journal_state(r.dataset)
+                .await
+                .as_ref()
+                .is_ok_and(drained);
         if !drained {
             return;
         }
@@ -622,15 +723,15 @@ impl Fleet {
                 return;
             }
         }
-        let tx = match self.bounded(store::begin_return(&self.pool, epoch)).await {
-            Ok(Some(tx)) => tx,
+        let ret = match self.bounded(store::begin_return(&self.pool, epoch)).await {
+            Ok(Some(ret)) => ret,
             Ok(None) => return,
             Err(e) => {
                 tracing::debug!(error = %e, "fleet: could not lock the fleet to end the episode");
                 return;
             }
         };
-        let mut tx = tx;
+        let mut tx = ret.tx;
         let rest = match tokio::time::timeout(self.deadline, store::queued(&mut tx, epoch)).await {
             Ok(Ok(rows)) => rows,
             _ => return,
@@ -638,7 +739,14 @@ impl Fleet {
         if self.write_back(&rest, &mut written).await.is_err() {
             return;
         }
-        match self.bounded(store::finish_return(tx, epoch)).await {
+        // Redis holds what Postgres decided: it is the fleet's dataset from
+        // this commit (every member's recent decisions are in Postgres).
+        let dataset = ret.dataset.unwrap_or_else(Uuid::new_v4);
+        if let Err(e) = self.fast.write_dataset(dataset).await {
+            tracing::debug!(error = %e, "fleet: could not write the redis dataset; the episode goes on");
+            return;
+        }
+        match self.bounded(store::finish_return(tx, epoch, dataset)).await {
             Ok(next) => {
                 self.metrics
                     .episodes
@@ -657,6 +765,7 @@ impl Fleet {
                     v.epoch = next;
                     v.redis_down_members = 0;
                     v.confirmed = Some(reported);
+                    v.dataset = Some(dataset);
                 });
                 self.closing.store(false, Ordering::SeqCst);
                 self.metrics.show(&self.view());
@@ -756,6 +865,7 @@ mod tests {
             _held: fleet.deciding.try_read().expect("free"),
             counted_until,
             clock: &*fleet.clock,
+            dataset: Uuid::nil(),
         };
         clock.advance_monotonic(Duration::from_millis(1));
         assert_eq!(fleet.lease(&fleet.view()), Lease::Out, "the lease ran out");

@@ -60,6 +60,9 @@ pub struct Report {
     pub unaccounted: i64,
     /// When the report was counted (Postgres's clock).
     pub at: DateTime<Utc>,
+    /// The Redis dataset the fleet agreed on (`None`: none yet, see
+    /// [`adopt_dataset`]).
+    pub dataset: Option<Uuid>,
 }
 
 fn ms(d: Duration) -> i64 {
@@ -80,7 +83,7 @@ pub async fn report(
     // One statement (`fleet_report`, V9): the row lock is never held across
     // a round trip of ours.
     let row = sqlx::query(
-        "SELECT state, epoch, members, redis_down_members, flipped, unaccounted, at
+        "SELECT state, epoch, members, redis_down_members, flipped, unaccounted, at, dataset
            FROM fleet_report($1, $2, $3)",
     )
     .bind(instance)
@@ -96,6 +99,7 @@ pub async fn report(
         flipped: row.try_get("flipped")?,
         unaccounted: row.try_get("unaccounted")?,
         at: row.try_get("at")?,
+        dataset: row.try_get("dataset")?,
     })
 }
 
@@ -120,6 +124,41 @@ pub async fn retire(
     .execute(pool)
     .await?;
     Ok(done.rows_affected())
+}
+
+/// A member the fleet no longer waits for ([`forget_silent`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Forgotten {
+    pub instance: Uuid,
+    pub last_seen: DateTime<Utc>,
+}
+
+/// Forgets the members that are unaccounted for now (silent for longer
+/// than `member_timeout`, last saying Redis was up), by an operator's
+/// decision: the Redis decisions of theirs that the journal held are
+/// accepted as lost (Redis lost them before any member saw the journal
+/// empty). The fleet may then turn `redis_down`.
+pub async fn forget_silent(
+    pool: &PgPool,
+    member_timeout: Duration,
+) -> Result<Vec<Forgotten>, DurableError> {
+    let rows: Vec<(Uuid, DateTime<Utc>)> = sqlx::query_as(
+        "DELETE FROM fleet_members
+          WHERE redis_up AND seen_at <= clock_timestamp() - $1 * interval '1 millisecond'
+         RETURNING instance, seen_at",
+    )
+    .bind(ms(member_timeout))
+    .fetch_all(pool)
+    .await?;
+    let mut out: Vec<Forgotten> = rows
+        .into_iter()
+        .map(|(instance, last_seen)| Forgotten {
+            instance,
+            last_seen,
+        })
+        .collect();
+    out.sort_by_key(|f| f.last_seen);
+    Ok(out)
 }
 
 /// A member leaving cleanly (after writing its Redis decisions not known
@@ -285,41 +324,83 @@ pub async fn queued(conn: &mut PgConnection, epoch: i64) -> Result<Vec<Queued>, 
         .collect()
 }
 
+/// The fleet row's transaction that ends an episode ([`begin_return`]),
+/// with the Redis dataset the fleet agreed on.
+pub struct Return {
+    pub tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    /// `None`: none yet; [`finish_return`] records the one written.
+    pub dataset: Option<Uuid>,
+}
+
 /// The transaction that ends an episode: holds the fleet row exclusively
 /// (every fenced decision has committed or waits and will be refused).
 /// `None`: the fleet is not at `epoch`'s `redis_down` (another member
 /// ended it already).
-pub async fn begin_return(
-    pool: &PgPool,
-    epoch: i64,
-) -> Result<Option<sqlx::Transaction<'static, sqlx::Postgres>>, DurableError> {
+pub async fn begin_return(pool: &PgPool, epoch: i64) -> Result<Option<Return>, DurableError> {
     let mut tx = pool.begin().await?;
-    let at: Option<(String, i64)> =
-        sqlx::query_as("SELECT state, epoch FROM fleet_state WHERE id = 1 FOR UPDATE")
-            .fetch_optional(&mut *tx)
-            .await?;
+    let at: Option<(String, i64, Option<Uuid>)> = sqlx::query_as(
+        "SELECT state, epoch, redis_dataset FROM fleet_state WHERE id = 1 FOR UPDATE",
+    )
+    .fetch_optional(&mut *tx)
+    .await?;
     match at {
-        Some((state, e)) if state == "redis_down" && e == epoch => Ok(Some(tx)),
+        Some((state, e, dataset)) if state == "redis_down" && e == epoch => {
+            Ok(Some(Return { tx, dataset }))
+        }
         _ => Ok(None),
     }
 }
 
 /// Ends the episode in the transaction of [`begin_return`]: the fleet is
-/// normal at a new epoch, and the queue up to `epoch` is emptied.
+/// normal at a new epoch with `dataset` (written into Redis before), and
+/// the queue up to `epoch` is emptied.
 pub async fn finish_return(
     mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
     epoch: i64,
+    dataset: Uuid,
 ) -> Result<i64, DurableError> {
     sqlx::query("DELETE FROM redis_resync WHERE epoch <= $1")
         .bind(epoch)
         .execute(&mut *tx)
         .await?;
     let next: i64 = sqlx::query_scalar(
-        "UPDATE fleet_state SET state = 'normal', epoch = epoch + 1, since = now()
+        "UPDATE fleet_state SET state = 'normal', epoch = epoch + 1, since = now(),
+                redis_dataset = $1
           WHERE id = 1 RETURNING epoch",
     )
+    .bind(dataset)
     .fetch_one(&mut *tx)
     .await?;
     tx.commit().await?;
     Ok(next)
+}
+
+/// The first member's transaction that records a Redis dataset for the
+/// fleet, holding its row: `Some` only while the fleet is normal and has
+/// none (a new database, or one migrated from before V17). The caller
+/// writes the id into Redis, then [`finish_adopt`].
+pub async fn begin_adopt(
+    pool: &PgPool,
+) -> Result<Option<sqlx::Transaction<'static, sqlx::Postgres>>, DurableError> {
+    let mut tx = pool.begin().await?;
+    let none_yet: Option<bool> = sqlx::query_scalar(
+        "SELECT redis_dataset IS NULL AND state = 'normal' FROM fleet_state WHERE id = 1 FOR UPDATE",
+    )
+    .fetch_optional(&mut *tx)
+    .await?;
+    Ok(none_yet.unwrap_or(false).then_some(tx))
+}
+
+/// Records `dataset` (already in Redis) as the fleet's, in the transaction
+/// of [`begin_adopt`].
+pub async fn finish_adopt(
+    mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    dataset: Uuid,
+) -> Result<(), DurableError> {
+    sqlx::query("UPDATE fleet_state SET redis_dataset = $1 WHERE id = 1")
+        .bind(dataset)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(())
 }

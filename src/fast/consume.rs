@@ -1,6 +1,8 @@
 //! The consume script: one attempt on one token's key, and its reply
 //! (the outcome, the key's generation, Redis's clock).
 
+use uuid::Uuid;
+
 use super::call::{evalsha, run_script};
 use super::conn::Lane;
 use super::write::Writeback;
@@ -26,6 +28,9 @@ pub enum ScriptOutcome {
     /// A client key whose hash records no subject to check the call's
     /// against: nothing was written (fast mode, see [`KeyArgs`]).
     Unbound,
+    /// Fast mode: Redis holds another dataset than the one the fleet agreed
+    /// on (it restarted empty): nothing was decided or written.
+    Foreign,
 }
 
 /// A durable claim's reply ([`FastTier::claim`]): Redis never decides a
@@ -56,6 +61,9 @@ pub enum Decision {
     /// A client key whose hash records no subject to check the call's
     /// against: nothing was written (see [`KeyArgs`]).
     Unbound,
+    /// Redis holds another dataset than the one asked about (it restarted
+    /// empty): nothing was decided (see [`crate::fleet`]).
+    Foreign,
 }
 
 /// A look at a key that writes nothing ([`FastTier::peek`]).
@@ -96,6 +104,7 @@ impl TryFrom<ScriptOutcome> for Decision {
             ScriptOutcome::Miss => Ok(Decision::Miss),
             ScriptOutcome::Mismatch => Ok(Decision::Mismatch),
             ScriptOutcome::Unbound => Ok(Decision::Unbound),
+            ScriptOutcome::Foreign => Ok(Decision::Foreign),
             other => Err(other.refused("decide")),
         }
     }
@@ -127,6 +136,15 @@ pub struct KeyArgs<'a> {
     /// The service checked `subject` against Postgres: a key without a
     /// recorded subject takes it instead of answering `Unbound`.
     pub subject_checked: bool,
+}
+
+/// What a consume script checks besides the key: a client key's
+/// arguments, and the dataset a fast decision is made on.
+#[derive(Debug, Clone, Copy, Default)]
+struct Checked<'a> {
+    key: KeyArgs<'a>,
+    /// `None`: not checked (durable and peek modes, replays, tools).
+    dataset: Option<Uuid>,
 }
 
 /// The fields of a consumed or provisional marker.
@@ -181,14 +199,16 @@ impl FastTier {
                 attempt,
                 provisional_ms,
                 None,
-                KeyArgs::default(),
+                Checked::default(),
             )
             .await?;
         Ok((Claim::try_from(o)?, v))
     }
 
     /// A fast attempt on `handle`'s key: Redis decides, and appends the
-    /// journal entry `journal` with a win.
+    /// journal entry `journal` with a win. Only on `dataset` (the one the
+    /// fleet agreed on; `None`: not checked, for a replay of a decision
+    /// already made): on another, [`Decision::Foreign`].
     pub async fn decide(
         &self,
         handle: &str,
@@ -196,6 +216,7 @@ impl FastTier {
         provisional_ms: i64,
         journal: &Record,
         key: KeyArgs<'_>,
+        dataset: Option<Uuid>,
     ) -> Result<(Decision, KeyVersion), FastError> {
         let (o, v) = self
             .consume_script(
@@ -204,7 +225,7 @@ impl FastTier {
                 attempt,
                 provisional_ms,
                 Some(journal),
-                key,
+                Checked { key, dataset },
             )
             .await?;
         Ok((Decision::try_from(o)?, v))
@@ -224,7 +245,7 @@ impl FastTier {
                 &attempt,
                 0,
                 None,
-                KeyArgs::default(),
+                Checked::default(),
             )
             .await?;
         Ok((Peek::try_from(o)?, v))
@@ -263,7 +284,7 @@ impl FastTier {
             attempt,
             provisional_ms,
             journal,
-            KeyArgs::default(),
+            Checked::default(),
         )
         .await
     }
@@ -279,7 +300,8 @@ impl FastTier {
         journal: Option<&Record>,
         key: KeyArgs<'_>,
     ) -> Result<(ScriptOutcome, KeyVersion), FastError> {
-        self.consume_script(handle, mode, attempt, provisional_ms, journal, key)
+        let checked = Checked { key, dataset: None };
+        self.consume_script(handle, mode, attempt, provisional_ms, journal, checked)
             .await
     }
 
@@ -290,10 +312,16 @@ impl FastTier {
         attempt: &Attempt<'_>,
         provisional_ms: i64,
         journal: Option<&Record>,
-        key_args: KeyArgs<'_>,
+        checked: Checked<'_>,
     ) -> Result<(ScriptOutcome, KeyVersion), FastError> {
+        let key_args = checked.key;
         let key = self.token_key(token);
         let journal_key = self.journal_key();
+        let dataset_key = self.dataset_key();
+        let dataset = match (mode, checked.dataset) {
+            (ConsumeMode::Fast, Some(d)) if self.checks_dataset() => d.to_string(),
+            _ => String::new(),
+        };
         let script = &self.scripts.consume;
         let mode_arg = match mode {
             ConsumeMode::Durable => "durable",
@@ -313,7 +341,8 @@ impl FastTier {
                 fresh_owner.as_str()
             }
         };
-        let (key, journal_key) = (&key, &journal_key);
+        let (key, journal_key, dataset_key, dataset) =
+            (&key, &journal_key, &dataset_key, dataset.as_str());
         let create_at = key_args
             .create_at_gen
             .map(|g| g.to_string())
@@ -326,10 +355,10 @@ impl FastTier {
             sends += 1;
             let reply: Vec<String> = self
                 .call_idempotent(Lane::Serving, "consume", |mut c| async move {
-                    let mut inv = evalsha(script, if append { 2 } else { 1 });
+                    let mut inv = evalsha(script, if append { 3 } else { 1 });
                     inv.arg(key);
                     if append {
-                        inv.arg(journal_key);
+                        inv.arg(journal_key).arg(dataset_key);
                     }
                     inv.arg(mode_arg)
                         .arg(owner)
@@ -343,6 +372,9 @@ impl FastTier {
                         .arg(if key_args.subject_checked { "1" } else { "0" })
                         // Set at each send: a resend gets its own deadline.
                         .arg(deadline.arg(timeout));
+                    if append {
+                        inv.arg(dataset);
+                    }
                     if let (true, Some(journal)) = (append, journal) {
                         for (k, v) in journal.pairs() {
                             inv.arg(k).arg(v);
@@ -443,6 +475,7 @@ fn parse_consume_reply(
         "issued" => ScriptOutcome::Issued,
         "mismatch" => ScriptOutcome::Mismatch,
         "unbound" => ScriptOutcome::Unbound,
+        "foreign" => ScriptOutcome::Foreign,
         // It reached Redis after this call's deadline and decided nothing
         // (see `deadline`); the caller, if it still waits, hears what a
         // timeout tells it.

@@ -21,6 +21,8 @@
 //!   carries, so that one reaching Redis after its caller gave up decides
 //!   nothing;
 //! - `consume`: the consume script and what it answers;
+//! - `dataset`: the Redis dataset the fleet agreed on, which a fast
+//!   decision and a look at the journal check;
 //! - `write`: the issue seed, write-backs of Postgres's decisions, result and
 //!   release of fast types;
 //! - `breaker`: Redis's health as this instance sees it (the breaker, the
@@ -43,6 +45,7 @@ pub mod breaker;
 mod call;
 mod conn;
 mod consume;
+mod dataset;
 mod deadline;
 mod health;
 mod journal;
@@ -55,6 +58,7 @@ mod write;
 pub use consume::{
     Attempt, Claim, ConsumeMode, Decision, KeyArgs, KeyVersion, Marker, Peek, ScriptOutcome,
 };
+pub use dataset::JournalState;
 pub use journal::{JournalEntry, ReadFrom, GROUP};
 pub use record::{Op, Record, Stamped};
 pub use scan::{KeyRead, KeyState, ScanNode};

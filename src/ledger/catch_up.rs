@@ -183,7 +183,14 @@ impl CatchUp {
         let provisional = ms(self.provisional_ttl);
         let (decision, _) = self
             .fast
-            .decide(token, &attempt, provisional, journal, KeyArgs::default())
+            .decide(
+                token,
+                &attempt,
+                provisional,
+                journal,
+                KeyArgs::default(),
+                None,
+            )
             .await?;
         match decision {
             Decision::Miss => {
@@ -196,6 +203,10 @@ impl CatchUp {
             | Decision::Provisional(_)
             | Decision::Mismatch
             | Decision::Unbound => Ok(()),
+            // Not asked to check the dataset: kept, and sent again.
+            Decision::Foreign => Err(crate::fast::FastError::Protocol(
+                "the consume script answered foreign unasked".into(),
+            )),
         }
     }
 

@@ -309,7 +309,14 @@ impl Ledger {
                     .map(|(p, v)| (decision_seen(p), v))
             } else {
                 self.fast
-                    .decide(&held.handle, &attempt, self.provisional_ms(), &fields, args)
+                    .decide(
+                        &held.handle,
+                        &attempt,
+                        self.provisional_ms(),
+                        &fields,
+                        args,
+                        Some(gate.dataset()),
+                    )
                     .await
             };
             // A win, or a replay of one (the same request_id, whose first
@@ -380,6 +387,17 @@ impl Ledger {
                     }
                 }
                 Ok((Decision::Mismatch, _)) => return Err(LedgerError::TokenMismatch),
+                // Redis restarted empty (or is another server): nothing was
+                // decided. The fleet accounts for the decisions it lost
+                // before Redis decides again (see `crate::fleet`).
+                Ok((Decision::Foreign, _)) => {
+                    self.fleet.redis_foreign();
+                    return Err(LedgerError::Unavailable {
+                        what: "redis (it holds another dataset than the fleet agreed on: it restarted empty; retry)",
+                        retry_after_secs: 1,
+                        source: None,
+                    });
+                }
                 Ok((Decision::Miss | Decision::Unbound, _)) => {
                     if let (Of::Key { .. }, 0) = (of, round) {
                         match self.key_in_postgres(held, of, &attempt, input).await? {

@@ -3,6 +3,7 @@
 --
 -- KEYS[1]  the token's hash  <prefix>tok:{<token>}
 -- KEYS[2]  the journal stream (fast mode only)
+-- KEYS[3]  the dataset key <prefix>dataset (fast mode on a standalone Redis)
 -- ARGV[1]  mode: 'durable' (claim a provisional marker; Postgres decides),
 --                'fast' (decide here, append to the journal), 'peek' (read only)
 -- ARGV[2]  attempt owner (random, unique per attempt)
@@ -20,7 +21,11 @@
 --          against Postgres, so a key without a recorded subject takes it
 -- ARGV[11] not after: Redis's time (ms) past which the caller has given up
 --          ('' none): the script then answers `late` and writes nothing
--- ARGV[12..] journal entry fields (field, value pairs), fast mode only
+-- ARGV[12] fast mode: the dataset id the caller's fleet agreed on ('': not
+--          checked, for replays of decisions already made): a Redis whose
+--          KEYS[3] holds another (or none: it restarted empty) decides
+--          nothing and answers `foreign`
+-- ARGV[13..] journal entry fields (field, value pairs), fast mode only
 --
 -- Hash fields: s state (i issued, p provisional, c consumed), g generation
 -- (bumped by every consume and release: odd while consumed; a key written
@@ -53,6 +58,8 @@
 --   unbound     client keys, fast mode: ARGV[8] given, and the hash has no
 --               recorded subject to compare it with (nothing written)
 --   late        it ran after ARGV[11]: nothing read or written
+--   foreign     fast mode: Redis holds another dataset than ARGV[12]: nothing
+--               written (its journal may have lost decisions Postgres lacks)
 --   cooling     fast mode: released less than the releaser's redis.timeout
 --               ago (at: until when). A script sent before the release may
 --               still arrive until then, for a caller that died or gave up:
@@ -77,6 +84,11 @@ end
 -- Its caller gave up (503, outcome unknown) and may have retried elsewhere:
 -- deciding now would act for nobody.
 if ARGV[11] and ARGV[11] ~= '' and now > tonumber(ARGV[11]) then return reply('late') end
+-- Decided only on the dataset the fleet agreed on: a Redis that restarted
+-- empty lost markers and journal entries that only the fleet can account for.
+if mode == 'fast' and KEYS[3] and ARGV[12] and ARGV[12] ~= '' then
+  if redis.call('GET', KEYS[3]) ~= ARGV[12] then return reply('foreign') end
+end
 
 local subject = ARGV[8] or ''
 if mode == 'fast' and not s and ARGV[9] and ARGV[9] ~= '' then
@@ -119,7 +131,7 @@ if mode == 'fast' then
   if s == 'p' then redis.call('HDEL', key, 'd') end
   redis.call('PEXPIRE', key, ARGV[6])
   if ARGV[7] == '1' then
-    redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, unpack(ARGV, 12))
+    redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, unpack(ARGV, 13))
   end
   return reply('won', tostring(now))
 end

@@ -15,6 +15,7 @@ use serde_json::json;
 
 use crate::helpers::fleet_answers::*;
 use crate::helpers::procs::*;
+use crate::helpers::scrape::sample;
 use crate::helpers::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -289,4 +290,146 @@ async fn a_fast_key_decided_in_redis_is_flushed_before_redis_is_reported_down() 
         Some("duplicate"),
         "decided again: {again:?}"
     );
+}
+
+/// Redis restarts empty so quickly that the fleet never agrees it was down.
+/// Its journal held a decision Postgres lacked (Postgres was down, with
+/// `fleet.decide_without_postgres`). The instance read the new, empty
+/// stream's length as 0, counted the journal as drained and dropped that
+/// decision from its going-down flush; the token then missed in Redis,
+/// Postgres held it live, and a second caller was told `consumed`. Now the
+/// fleet's dataset id is in Redis: the empty Redis is foreign, decides
+/// nothing and is reported down; the decision is flushed to Postgres before
+/// Postgres decides, and the episode's end writes the id back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redis_restarted_empty_decides_nothing_until_the_fleet_has_its_lost_decisions() {
+    let mut redis = RedisProc::start();
+    let pg = PgProc::start();
+    let app = &spawn_app_on(through_postgres_outages(&redis, &pg)).await;
+    let tokens = issue_likes(app, 3).await;
+    wait_fleet(app, 10, "normal").await;
+
+    // Postgres down: Redis decides, the journal waits in Redis.
+    pg.stop_immediate();
+    let won = eventually(10, || async {
+        let x = consume_as(app, &tokens[0], "first").await;
+        (x.0 == StatusCode::OK).then_some(x)
+    })
+    .await;
+    assert!(consumed(&won), "{won:?}");
+
+    // Redis restarts empty, and answers again at once.
+    tokio::task::block_in_place(|| redis.restart());
+    eventually(10, || async {
+        let text = app.metrics_text().await;
+        (sample(&text, "ledger_fleet_redis_foreign", &[]) == Some(1.0)).then_some(())
+    })
+    .await;
+    // Several heartbeats on the empty Redis before Postgres is back.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let meanwhile = consume_as(app, &tokens[1], "meanwhile").await;
+    assert_eq!(
+        meanwhile.0,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "decided on a foreign redis: {meanwhile:?}"
+    );
+    tokio::task::block_in_place(|| pg.start_again());
+
+    let again = eventually(20, || async {
+        let x = consume_as(app, &tokens[0], "second").await;
+        (x.0 == StatusCode::OK).then_some(x)
+    })
+    .await;
+    assert_eq!(
+        again.1.as_deref(),
+        Some("duplicate"),
+        "decided again: {again:?}"
+    );
+    // The episode ends on the new Redis, which decides again.
+    wait_fleet(app, 20, "normal").await;
+    let fresh = eventually(10, || async {
+        let x = consume_as(app, &tokens[2], "fresh").await;
+        (x.0 == StatusCode::OK).then_some(x)
+    })
+    .await;
+    assert!(consumed(&fresh), "{fresh:?}");
+    let text = app.metrics_text().await;
+    assert_eq!(sample(&text, "ledger_fleet_redis_foreign", &[]), Some(0.0));
+    let redis_decided = redis.cli(&["EXISTS", &app.token_key(&tokens[2])]);
+    assert_eq!(redis_decided.trim(), "1", "redis decided the fresh token");
+}
+
+/// A member fell silent after saying Redis was up (it crashed), and Redis
+/// restarted empty before any member saw the journal empty: the decisions
+/// it let Redis make may be lost with Redis, and no member can account for
+/// them. The fleet neither decides on the new Redis nor turns `redis_down`
+/// (fast consumes answer 503), until an operator accepts the loss with
+/// `fleet forget-silent --accept-lost-decisions`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_member_lost_with_redis_is_waited_for_until_an_operator_forgets_it() {
+    let mut redis = RedisProc::start();
+    let pg = PgProc::start();
+    let app = &spawn_app_on(through_postgres_outages(&redis, &pg)).await;
+    let tokens = issue_likes(app, 2).await;
+    wait_fleet(app, 10, "normal").await;
+
+    // A member that said Redis was up, then crashed; Redis restarts empty
+    // before the fleet could retire it.
+    let crashed = uuid::Uuid::new_v4();
+    sqlx::query("INSERT INTO fleet_members (instance, redis_up, seen_at) VALUES ($1, true, now())")
+        .bind(crashed)
+        .execute(&app.pg().await)
+        .await
+        .expect("a member");
+    tokio::task::block_in_place(|| redis.restart());
+    eventually(10, || async {
+        let text = app.metrics_text().await;
+        let unaccounted = sample(&text, "ledger_fleet_unaccounted_members", &[]);
+        let foreign = sample(&text, "ledger_fleet_redis_foreign", &[]);
+        (unaccounted == Some(1.0) && foreign == Some(1.0)).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(readyz(app).await["fleet"]["state"], "normal");
+    let waiting = consume_as(app, &tokens[0], "waiting").await;
+    assert_eq!(waiting.0, StatusCode::SERVICE_UNAVAILABLE, "{waiting:?}");
+
+    let config = cli_config(&app.stores);
+    let refused = cli(&config, &["fleet", "forget-silent"]).await;
+    assert_eq!(refused.status.code(), Some(2), "the flag is required");
+    let out = cli(
+        &config,
+        &["fleet", "forget-silent", "--accept-lost-decisions"],
+    )
+    .await;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let said: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(
+        said["forgotten"][0]["instance"],
+        crashed.to_string(),
+        "{said}"
+    );
+
+    // The fleet goes through an episode and Redis decides again.
+    eventually(20, || async {
+        let text = app.metrics_text().await;
+        let to = |s: &str| sample(&text, "ledger_fleet_transitions_total", &[("to", s)]);
+        let foreign = sample(&text, "ledger_fleet_redis_foreign", &[]);
+        (to("redis_down") >= Some(1.0) && to("normal") >= Some(1.0) && foreign == Some(0.0))
+            .then_some(())
+    })
+    .await;
+    let decided = eventually(20, || async {
+        let x = consume_as(app, &tokens[1], "after").await;
+        (x.0 == StatusCode::OK).then_some(x)
+    })
+    .await;
+    assert!(consumed(&decided), "{decided:?}");
+    let in_redis = redis.cli(&["EXISTS", &app.token_key(&tokens[1])]);
+    assert_eq!(in_redis.trim(), "1", "redis decided it");
 }
