@@ -5,6 +5,7 @@
 
 use redis::aio::ConnectionLike;
 use redis::{ServerErrorKind, Value};
+use uuid::Uuid;
 
 use super::call::{evalsha, run_script};
 use super::conn::Lane;
@@ -34,6 +35,9 @@ pub enum ResultWrite {
     NotConsumed,
     /// Redis does not hold it: Postgres decides.
     Miss,
+    /// Redis holds another dataset than the one asked about (it restarted
+    /// empty): nothing was written, and nobody decides it now.
+    Foreign,
 }
 
 /// A fast release's reply ([`FastTier::release`],
@@ -49,6 +53,17 @@ pub enum ReleaseWrite {
     NotReleasable,
     /// Redis does not hold it: Postgres decides.
     Miss,
+    /// Redis holds another dataset than the one asked about: nothing was
+    /// written, and nobody decides it now.
+    Foreign,
+}
+
+/// Which consume a fast write belongs to (`None`: any), and the dataset it
+/// is made on (`None`: not checked).
+#[derive(Debug, Clone, Copy)]
+struct On<'a> {
+    of_request: Option<&'a str>,
+    dataset: Option<Uuid>,
 }
 
 /// The writes of `fast_write.lua`.
@@ -388,16 +403,21 @@ impl FastTier {
 
     /// Records a fast type's result (`encoded`, JSON) on `handle`'s key, for
     /// the consume of `of_request` (any, if `None`), journaled with
-    /// `journal`.
+    /// `journal`; only on `dataset` (the fleet's; `None`: not checked).
     pub async fn write_result(
         &self,
         handle: &str,
         encoded: String,
         of_request: Option<&str>,
         journal: &Record,
+        dataset: Option<Uuid>,
     ) -> Result<ResultWrite, FastError> {
+        let on = On {
+            of_request,
+            dataset,
+        };
         match self
-            .write_script(handle, WriteOp::Result, encoded, of_request, journal)
+            .write_script(handle, WriteOp::Result, encoded, on, journal)
             .await?
         {
             Written::Result(r) => Ok(r),
@@ -418,10 +438,15 @@ impl FastTier {
         remaining_ms: i64,
         of_request: Option<&str>,
         journal: &Record,
+        dataset: Option<Uuid>,
     ) -> Result<ReleaseWrite, FastError> {
         let cool = self.settings.timeout.as_millis();
         let arg = format!("{remaining_ms}:{cool}");
-        self.release_script(handle, WriteOp::Release, arg, of_request, journal)
+        let on = On {
+            of_request,
+            dataset,
+        };
+        self.release_script(handle, WriteOp::Release, arg, on, journal)
             .await
     }
 
@@ -435,10 +460,15 @@ impl FastTier {
         gen: i64,
         lease_ms: i64,
         journal: &Record,
+        dataset: Option<Uuid>,
     ) -> Result<ReleaseWrite, FastError> {
         let cool = self.settings.timeout.as_millis();
         let arg = format!("{remaining_ms}:{gen}:{lease_ms}:{cool}");
-        self.release_script(handle, WriteOp::LeaseRelease, arg, None, journal)
+        let on = On {
+            of_request: None,
+            dataset,
+        };
+        self.release_script(handle, WriteOp::LeaseRelease, arg, on, journal)
             .await
     }
 
@@ -447,13 +477,10 @@ impl FastTier {
         handle: &str,
         op: WriteOp,
         arg: String,
-        of_request: Option<&str>,
+        on: On<'_>,
         journal: &Record,
     ) -> Result<ReleaseWrite, FastError> {
-        match self
-            .write_script(handle, op, arg, of_request, journal)
-            .await?
-        {
+        match self.write_script(handle, op, arg, on, journal).await? {
             Written::Release(r) => Ok(r),
             Written::Result(r) => Err(FastError::Protocol(format!(
                 "fast_write ({}) answered {r:?}",
@@ -468,25 +495,31 @@ impl FastTier {
         token: &str,
         op: WriteOp,
         arg: String,
-        of_request: Option<&str>,
+        on: On<'_>,
         journal: &Record,
     ) -> Result<Written, FastError> {
-        let of_request = of_request.unwrap_or("");
+        let of_request = on.of_request.unwrap_or("");
+        let dataset = match on.dataset {
+            Some(d) if self.checks_dataset() => d.to_string(),
+            _ => String::new(),
+        };
         let (timeout, deadline) = (self.settings.timeout, &self.deadline);
         let (key, journal_key, arg) = (&self.token_key(token), &self.journal_key(), &arg);
+        let (dataset_key, dataset) = (&self.dataset_key(), dataset.as_str());
         let script = &self.scripts.fast_write;
         let append = self.journal_in_script();
         let reply: Vec<String> = self
             .call("fast_write", |mut c| async move {
                 let mut inv = script.key(key);
                 if append {
-                    inv.key(journal_key);
+                    inv.key(journal_key).key(dataset_key);
                 }
                 inv.arg(op.as_str())
                     .arg(arg)
                     .arg(if append { "1" } else { "0" })
                     .arg(of_request)
-                    .arg(deadline.arg(timeout));
+                    .arg(deadline.arg(timeout))
+                    .arg(dataset);
                 if append {
                     for (k, v) in journal.pairs() {
                         inv.arg(k).arg(v);
@@ -511,6 +544,8 @@ impl FastTier {
             ("conflict", true) => Written::Result(ResultWrite::Conflict(detail)),
             ("not_consumed", true) => Written::Result(ResultWrite::NotConsumed),
             ("miss", true) => Written::Result(ResultWrite::Miss),
+            ("foreign", true) => Written::Result(ResultWrite::Foreign),
+            ("foreign", false) => Written::Release(ReleaseWrite::Foreign),
             ("released", false) => Written::Release(ReleaseWrite::Released {
                 gen: field(2).parse().unwrap_or(0),
                 at_ms: field(3).parse().unwrap_or(0),

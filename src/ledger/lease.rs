@@ -194,7 +194,14 @@ impl Ledger {
             };
             let reply = self
                 .fast
-                .lease_release(&d.handle, remaining, d.gen, lease_ms(lease), &fields)
+                .lease_release(
+                    &d.handle,
+                    remaining,
+                    d.gen,
+                    lease_ms(lease),
+                    &fields,
+                    Some(gate.dataset()),
+                )
                 .await;
             if let Ok(ReleaseWrite::Released { gen, at_ms }) = &reply {
                 self.fleet
@@ -209,6 +216,12 @@ impl Ledger {
                 // Resolved or consumed again meanwhile, Redis's clock not there
                 // yet, or Redis no longer holds it (reconcile's case).
                 Ok(ReleaseWrite::NotReleasable | ReleaseWrite::Miss) => {}
+                // Redis restarted empty: the next sweep after the fleet's
+                // episode tries again.
+                Ok(ReleaseWrite::Foreign) => {
+                    self.fleet.redis_foreign();
+                    break;
+                }
                 Err(e) => {
                     tracing::debug!(error = %e, "lease release not sent to redis; the next sweep tries again");
                     break;

@@ -132,6 +132,7 @@ impl Ledger {
                     encoded.clone(),
                     held.of_request.as_deref(),
                     &fields,
+                    Some(gate.dataset()),
                 )
                 .await;
             let in_time = gate.still_held();
@@ -156,6 +157,17 @@ impl Ledger {
                 }
                 Ok(ResultWrite::NotConsumed) => return Err(LedgerError::NotConsumed),
                 Ok(ResultWrite::Miss) => {} // Postgres decides
+                // Redis restarted empty: the consume may be in a journal
+                // Postgres has not seen yet; nobody decides until the
+                // fleet has accounted for it (see `crate::fleet`).
+                Ok(ResultWrite::Foreign) => {
+                    self.fleet.redis_foreign();
+                    return Err(LedgerError::Unavailable {
+                        what: "redis (it holds another dataset than the fleet agreed on: it restarted empty; retry)",
+                        retry_after_secs: 1,
+                        source: None,
+                    });
+                }
                 Err(e) => {
                     return self
                         .result_without_redis(held, result, detail, Some(e))
@@ -486,7 +498,13 @@ impl Ledger {
             // Cooling for `redis.timeout` after it (see `FastTier::release`).
             let reply = self
                 .fast
-                .release(&held.handle, remaining, held.of_request.as_deref(), &fields)
+                .release(
+                    &held.handle,
+                    remaining,
+                    held.of_request.as_deref(),
+                    &fields,
+                    Some(gate.dataset()),
+                )
                 .await;
             // A release Redis decided is recorded for the going-down flush,
             // as a consume is: Postgres must know it before it decides.
@@ -508,6 +526,15 @@ impl Ledger {
                 Ok(ReleaseWrite::Released { .. }) => return Ok(()),
                 Ok(ReleaseWrite::NotReleasable) => return Err(LedgerError::NotReleasable),
                 Ok(ReleaseWrite::Miss) => {} // Postgres decides
+                // Redis restarted empty: as for a result (above).
+                Ok(ReleaseWrite::Foreign) => {
+                    self.fleet.redis_foreign();
+                    return Err(LedgerError::Unavailable {
+                        what: "redis (it holds another dataset than the fleet agreed on: it restarted empty; retry)",
+                        retry_after_secs: 1,
+                        source: None,
+                    });
+                }
                 Err(e) => {
                     return Err(LedgerError::Unavailable {
                         what: "redis",

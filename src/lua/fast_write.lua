@@ -1,7 +1,8 @@
 -- Result and release for fast biz types, where Redis decides. Touches one
 -- token's key (and the journal stream on a standalone Redis).
 --
--- KEYS[1]  the token's hash, KEYS[2] the journal stream
+-- KEYS[1]  the token's hash, KEYS[2] the journal stream, KEYS[3] the dataset
+--          key <prefix>dataset (both on a standalone Redis)
 -- ARGV[1]  'result' | 'release' | 'lease_release'
 -- ARGV[2]  result JSON (result) | 'ttl_ms' or 'ttl_ms:cool_ms' (release: the
 --          remaining ttl; for cool_ms after it, no consume may take the
@@ -16,7 +17,10 @@
 --          ('' any): another consume's holds it: not_consumed / not_releasable
 -- ARGV[5]  not after: Redis's time (ms) past which the caller has given up
 --          ('' none): the script then answers `late` and writes nothing
--- ARGV[6..] journal entry fields
+-- ARGV[6]  the dataset id the caller's fleet agreed on ('' not checked): a
+--          Redis whose KEYS[3] holds another (or none: it restarted empty)
+--          writes nothing and answers `foreign`, as consume.lua
+-- ARGV[7..] journal entry fields
 --
 -- The journal entry gets what only this script knows: `at` (now, ms), `g`
 -- (a result: the consumed generation it belongs to; a release: the next,
@@ -26,10 +30,13 @@
 -- Returns {kind, detail, g, now, cat, rid, fp}:
 --   result:  recorded | same | conflict (detail: stored result) | not_consumed | miss
 --   release, lease_release: released | not_releasable | miss
---   any: late (it ran after ARGV[5]: nothing written)
+--   any: late (it ran after ARGV[5]: nothing written), foreign (ARGV[6])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if ARGV[5] ~= '' and now > tonumber(ARGV[5]) then return {'late', '', '', tostring(now)} end
+if KEYS[3] and ARGV[6] and ARGV[6] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[6] then
+  return {'foreign', '', '', tostring(now)}
+end
 local key = KEYS[1]
 local h = redis.call('HMGET', key, 's', 'res', 'ord', 'g', 'at', 'rid', 'fp', 'sub')
 local s = h[1]
@@ -51,7 +58,7 @@ if ARGV[1] == 'result' then
   redis.call('HSET', key, 'res', ARGV[2])
   if ARGV[3] == '1' then
     redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, 'cat', at, 'rid', rid, 'fp', fp,
-      unpack(ARGV, 6))
+      unpack(ARGV, 7))
   end
   return {'recorded', '', tostring(g), tostring(now), at, rid, fp}
 end
@@ -86,6 +93,6 @@ if ttl > 0 then
   redis.call('PEXPIRE', key, ttl)
 end
 if ARGV[3] == '1' then
-  redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, unpack(ARGV, 6))
+  redis.call('XADD', KEYS[2], '*', 'at', now, 'g', g, unpack(ARGV, 7))
 end
 return {'released', '', tostring(g), tostring(now)}

@@ -386,6 +386,7 @@ async fn a_result_applied_before_its_consume_on_another_instance_is_kept() {
             result.to_string(),
             None,
             &idempotency_ledger::journal::result_fields_for(&rec, &result.to_string()),
+            None,
         )
         .await
         .expect("result");
@@ -463,6 +464,7 @@ async fn fast_consume_release_consume_spread_over_instances_ends_at_the_last_con
                     60_000,
                     None,
                     &idempotency_ledger::journal::release_fields_for(&rec),
+                    None,
                 )
                 .await
                 .expect("release");
@@ -495,4 +497,118 @@ async fn fast_consume_release_consume_spread_over_instances_ends_at_the_last_con
     assert_eq!(audit, 3, "consumed@1, released@2, consumed@3");
     a.stop().await;
     b.stop().await;
+}
+
+/// Every script by which Redis decides (a fast consume, result, release
+/// and lease release) checks the fleet's dataset id first: on a Redis that
+/// holds another (it restarted empty) it answers `foreign` and writes
+/// nothing, neither the key nor the journal. Before, a result on a Redis
+/// that had restarted empty missed, and Postgres, which had not yet heard
+/// of the consume, answered 409 `not_consumed` to its winner (the chaos
+/// test's Redis restarts found it).
+#[tokio::test]
+async fn no_deciding_script_writes_on_another_redis_dataset() {
+    use idempotency_ledger::fast::{Decision, KeyArgs, ReleaseWrite, ResultWrite};
+    let stores = Stores::fresh();
+    let scratch = Stores::fresh();
+    let app = spawn_app_on(stores.clone()).await;
+    let fast = fast_tier(&scratch).0;
+    let mut r = app.redis().await;
+    let agreed = uuid::Uuid::new_v4();
+    let other = Some(uuid::Uuid::new_v4());
+    fast.write_dataset(agreed).await.expect("dataset");
+    let rec = like_record(&app, 7_300_000_001, "u-1");
+    fast.seed(&rec.token, 60_000).await.expect("seed");
+    let attempt = Attempt {
+        owner: None,
+        request_id: Some("r-1"),
+        fingerprint: None,
+    };
+    let consume = idempotency_ledger::journal::consume_fields(&rec, Some("r-1"), None);
+    let result = json!({"liked": 1}).to_string();
+    let result_fields = idempotency_ledger::journal::result_fields_for(&rec, &result);
+    let release_fields = idempotency_ledger::journal::release_fields_for(&rec);
+    let key = format!("{}tok:{{{}}}", scratch.prefix, rec.token);
+    let hash = |r: &mut redis::aio::MultiplexedConnection| {
+        let key = key.clone();
+        let mut r = r.clone();
+        async move {
+            let h: BTreeMap<String, String> = r.hgetall(&key).await.expect("hgetall");
+            h
+        }
+    };
+
+    let seeded = hash(&mut r).await;
+    let (refused, _) = fast
+        .decide(
+            &rec.token,
+            &attempt,
+            1_000,
+            &consume,
+            KeyArgs::default(),
+            other,
+        )
+        .await
+        .expect("decide");
+    assert_eq!(refused, Decision::Foreign);
+    assert_eq!(hash(&mut r).await, seeded, "nothing written");
+    let (won, _) = fast
+        .decide(
+            &rec.token,
+            &attempt,
+            1_000,
+            &consume,
+            KeyArgs::default(),
+            Some(agreed),
+        )
+        .await
+        .expect("decide");
+    assert!(matches!(won, Decision::Won { .. }), "{won:?}");
+    let consumed = hash(&mut r).await;
+
+    let written = fast
+        .write_result(&rec.token, result.clone(), None, &result_fields, other)
+        .await
+        .expect("result");
+    assert_eq!(written, ResultWrite::Foreign);
+    let released = fast
+        .release(&rec.token, 60_000, None, &release_fields, other)
+        .await
+        .expect("release");
+    assert_eq!(released, ReleaseWrite::Foreign);
+    let lease = fast
+        .lease_release(&rec.token, 60_000, 1, 0, &release_fields, other)
+        .await
+        .expect("lease release");
+    assert_eq!(lease, ReleaseWrite::Foreign);
+    assert_eq!(hash(&mut r).await, consumed, "nothing written");
+    assert_eq!(
+        take_entries(&mut r, &scratch).await.len(),
+        1,
+        "the win's entry alone"
+    );
+
+    // Redis restarted empty: no dataset key at all.
+    let _: () = r
+        .del(format!("{}dataset", scratch.prefix))
+        .await
+        .expect("del");
+    let written = fast
+        .write_result(
+            &rec.token,
+            result.clone(),
+            None,
+            &result_fields,
+            Some(agreed),
+        )
+        .await
+        .expect("result");
+    assert_eq!(written, ResultWrite::Foreign);
+    fast.write_dataset(agreed).await.expect("dataset");
+    let written = fast
+        .write_result(&rec.token, result, None, &result_fields, Some(agreed))
+        .await
+        .expect("result");
+    assert_eq!(written, ResultWrite::Recorded);
+    app.stop().await;
 }

@@ -33,6 +33,8 @@ pub enum Fault {
     Partition { at: usize },
     /// Redis SIGSTOPped (every instance's calls wait).
     PauseRedis,
+    /// Redis killed and started again at once, empty (no persistence).
+    RestartRedis,
     /// Every Postgres backend of the ledger's database terminated.
     TerminateBackends,
     /// Postgres stopped immediately (a crash), then started again.
@@ -75,6 +77,9 @@ pub struct Fleet {
     pub procs: Vec<LedgerProc>,
     /// Each instance's links, shared with the links' lane.
     pub links: Arc<Vec<Links>>,
+    /// When an instance was last killed, and Redis last restarted empty.
+    last_kill: Option<tokio::time::Instant>,
+    last_redis_restart: Option<tokio::time::Instant>,
     _dir: tempfile::TempDir,
 }
 
@@ -93,6 +98,7 @@ pub fn draw(rng: &mut StdRng, n: usize, lane: Lane) -> Fault {
     ];
     let procs = [
         Fault::PauseRedis,
+        Fault::RestartRedis,
         Fault::TerminateBackends,
         Fault::RestartPostgres,
         Fault::KillInstance { at },
@@ -141,6 +147,9 @@ pub async fn inflict_on_links(links: &[Links], fault: Fault, hold: Duration) {
         _ => {}
     }
 }
+
+/// How far apart a kill and a Redis restart are kept (see [`Fleet::apart`]).
+const KILL_AND_RESTART_APART: Duration = Duration::from_secs(20);
 
 fn config(db_url: &str, redis_url: &str, prefix: &str) -> String {
     format!(
@@ -200,7 +209,28 @@ impl Fleet {
             prefix,
             procs,
             links: Arc::new(links),
+            last_kill: None,
+            last_redis_restart: None,
             _dir: dir,
+        }
+    }
+
+    /// `fault`, unless it is a kill and a Redis restart within
+    /// [`KILL_AND_RESTART_APART`] of each other: a crashed member's Redis
+    /// decisions that only the journal held are then lost with Redis, which
+    /// no protocol can recover; the fleet waits for an operator (`fleet
+    /// forget-silent`, `fleet_redis_down::a_member_lost_with_redis_...`).
+    /// The pause of the same process is inflicted instead.
+    pub fn apart(&self, fault: Fault) -> Fault {
+        let near = |at: Option<tokio::time::Instant>| {
+            at.is_some_and(|t| t.elapsed() < KILL_AND_RESTART_APART)
+        };
+        match fault {
+            Fault::RestartRedis if near(self.last_kill) => Fault::PauseRedis,
+            Fault::KillInstance { at } if near(self.last_redis_restart) => {
+                Fault::PauseInstance { at }
+            }
+            other => other,
         }
     }
 
@@ -232,6 +262,11 @@ impl Fleet {
                 tokio::time::sleep(hold).await;
                 self.redis.resume();
             }
+            Fault::RestartRedis => {
+                self.last_redis_restart = Some(tokio::time::Instant::now());
+                tokio::task::block_in_place(|| self.redis.restart());
+                tokio::time::sleep(hold).await;
+            }
             Fault::TerminateBackends => {
                 if let Ok(mut c) = sqlx::PgConnection::connect(&self.db_url()).await {
                     let _ = sqlx::query(
@@ -250,6 +285,7 @@ impl Fleet {
                 tokio::task::block_in_place(|| self.pg.start_again());
             }
             Fault::KillInstance { at } => {
+                self.last_kill = Some(tokio::time::Instant::now());
                 self.procs[at].kill();
                 tokio::time::sleep(hold).await;
                 self.procs[at].restart();
