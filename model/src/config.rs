@@ -53,6 +53,17 @@ pub struct Protocol {
     /// (before): a script of a caller that died or gave up, still within
     /// its deadline, could consume the released token for nobody.
     pub release_waits_out_scripts: bool,
+    /// Item 15: Redis restarts empty (the `redis_restart` fault). `true`
+    /// (fix): Postgres's fleet row records a dataset id and Redis holds it
+    /// (`<prefix>dataset`); a fast consume script carries the id of the
+    /// instance's view and decides nothing on another dataset (`foreign`,
+    /// answered 503); the journal counts as drained (`recent` dropped,
+    /// silent members retired) only on the view's dataset; an instance
+    /// that finds Redis foreign reports it down (flushing `recent` first);
+    /// the member that ends the episode writes the id back into Redis; the
+    /// first member records one while the fleet has none. `false` (before):
+    /// an emptied Redis looks drained (`XLEN` 0) and decides on.
+    pub redis_dataset: bool,
 }
 
 impl Default for Protocol {
@@ -73,10 +84,12 @@ impl Protocol {
         flush_replayed_wins: true,
         releases_through_gate: true,
         release_waits_out_scripts: true,
+        redis_dataset: true,
     };
 
-    /// Today's protocol with the fix of issue 24's `item` (2 to 6) undone.
-    /// Any other item gives today's protocol.
+    /// Today's protocol with the fix of issue 24's `item` (2 to 6, the
+    /// model's findings 11 to 14, 15) undone. Any other item gives today's
+    /// protocol.
     pub fn without_fix(item: u8) -> Protocol {
         let mut p = Protocol::TODAY;
         match item {
@@ -90,6 +103,8 @@ impl Protocol {
             12 => p.flush_replayed_wins = false,
             13 => p.release_waits_out_scripts = false,
             14 => p.releases_through_gate = false,
+            // Redis restarts empty: the dataset id.
+            15 => p.redis_dataset = false,
             _ => {}
         }
         p
@@ -124,6 +139,10 @@ pub struct Faults {
     /// Redis is unreachable for everyone (paused, dead with persistence),
     /// then back with its data.
     pub redis_outage: bool,
+    /// Redis (without persistence) restarts empty between two calls, so
+    /// quickly that no instance sees it down: its markers, its journal
+    /// stream, its cooling marks and its dataset key are gone.
+    pub redis_restart: bool,
     /// The issuer's clock runs ahead of its peers' by `Timing::skew`.
     pub clock_skew: bool,
     /// At most this many faults in one run.
@@ -148,6 +167,7 @@ impl Faults {
             stall: true,
             pg_outage: true,
             redis_outage: true,
+            redis_restart: true,
             clock_skew: true,
             max_faults,
         }

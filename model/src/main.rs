@@ -42,7 +42,7 @@ fn main() {
                 cfg
             }
             None => {
-                eprintln!("--item takes 2 to 6");
+                eprintln!("--item takes 2 to 6, or 15");
                 std::process::exit(2);
             }
         },

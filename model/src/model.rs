@@ -58,6 +58,8 @@ pub enum Action {
     PgUp,
     RedisDown,
     RedisUp,
+    /// Redis restarts empty, unseen: markers, journal and dataset key gone.
+    RedisRestart,
 }
 
 /// The model of the consume protocol under `cfg`.
@@ -104,6 +106,11 @@ impl ConsumeModel {
         };
         let fresh = until.is_none_or(|u| s.now < u);
         if !(v.reported_up && v.state == Fleet::Normal && fresh) {
+            return None;
+        }
+        // Item 15: a decision is made only on the dataset the fleet agreed
+        // on (`RedisGate::dataset`): none yet, no decision.
+        if p.redis_dataset && v.dataset.is_none() {
             return None;
         }
         if inst.closing || (p.flush_every_unapplied && inst.recent.len() >= t.recent_limit as usize)
@@ -177,15 +184,93 @@ impl ConsumeModel {
             && s.pg.epoch == v.epoch
     }
 
+    /// Item 15: Redis holds another dataset than `id` (the one an instance's
+    /// view names): `JournalState::Foreign` (src/fast/dataset.rs). With no
+    /// id asked about (a view from before any report) nothing is checked.
+    fn foreign(&self, s: &State, id: Option<u8>) -> bool {
+        self.cfg.protocol.redis_dataset && id.is_some() && s.redis.dataset != id
+    }
+
+    /// The journal read counts as drained: an empty stream (`XLEN` 0), and
+    /// with item 15's fix read with the dataset key in one `MULTI`, on the
+    /// dataset `id` (`JournalState::Agreed { len: 0 }`, or `Unchecked` when
+    /// no id is asked about). Without the fix, an emptied Redis's stream
+    /// (a stream that no longer exists) reads 0 too.
+    fn drained(&self, s: &State, id: Option<u8>) -> bool {
+        s.redis.journal.is_empty() && !self.foreign(s, id)
+    }
+
+    /// A new dataset id (`Uuid::new_v4` in the service): one no tier holds.
+    fn new_dataset(s: &State) -> u8 {
+        s.redis.dataset.max(s.pg.dataset).map_or(1, |d| d + 1)
+    }
+
+    /// Postgres decides a fast consume for client `c` at instance `i`:
+    /// `consume_fast_down` under the fleet row at the view's epoch
+    /// (`fenced`: the token goes into `redis_resync`), or, after Redis
+    /// missed the token, `decide_in_postgres` (`tokens::consume_versioned`,
+    /// unfenced: the fleet is normal).
+    fn postgres_decides(s: &mut State, c: usize, i: usize, fenced: bool) {
+        let client = s.clients[c];
+        let token = client.token as usize;
+        let row = s.pg.rows[token];
+        if row.consumed() {
+            if row.rid == client.rid {
+                Self::answer(
+                    s,
+                    Answer {
+                        token: client.token,
+                        gen: row.gen,
+                        rid: client.rid,
+                        via: Tier::Postgres,
+                        by: i as u8,
+                        first: false,
+                    },
+                );
+                s.clients[c].phase = Phase::Won { gen: row.gen };
+            } else {
+                let stale = !s.newest(client.token).consumed();
+                Self::duplicate(s, c, stale);
+            }
+            return;
+        }
+        let gen = row.gen + 1;
+        s.pg.rows[token] = Mark {
+            gen,
+            rid: client.rid,
+        };
+        if fenced && !s.pg.resync.contains(&client.token) {
+            s.pg.resync.push(client.token);
+            s.pg.resync.sort_unstable();
+        }
+        Self::answer(
+            s,
+            Answer {
+                token: client.token,
+                gen,
+                rid: client.rid,
+                via: Tier::Postgres,
+                by: i as u8,
+                first: true,
+            },
+        );
+        s.clients[c].phase = Phase::Won { gen };
+    }
+
     fn beat(&self, s: &mut State, i: usize) {
         let p = self.cfg.protocol;
         let t = self.cfg.timing;
         let now = s.now;
         s.insts[i].beat_at = Some(now);
-        let up = self.reaches_redis(s, i);
-        if up && p.flush_every_unapplied && s.redis.journal.is_empty() {
+        // Item 15: a reachable Redis on another dataset than the view's is
+        // reported down, as an unreachable one is (`note_journal_progress`
+        // answers whether it is foreign).
+        let reachable = self.reaches_redis(s, i);
+        let view_dataset = s.insts[i].view.dataset;
+        let up = reachable && !self.foreign(s, view_dataset);
+        if up && p.flush_every_unapplied && self.drained(s, view_dataset) {
             // `note_journal_progress`: every decision recorded before an
-            // empty stream is in Postgres.
+            // empty stream (of the view's dataset) is in Postgres.
             s.insts[i].recent.clear();
         }
         if !p.flush_every_unapplied {
@@ -230,20 +315,14 @@ impl ConsumeModel {
         // `durable::fleet::report`, under the fleet row's lock.
         s.pg.members[i] = Some(Report { up, at: now });
         if s.pg.fleet == Fleet::Normal && !up {
-            let every_counted_down =
-                s.pg.members
-                    .iter()
-                    .flatten()
-                    .filter(|r| now < r.at.saturating_add(t.member_timeout))
-                    .all(|r| !r.up);
+            let rows = || s.pg.members.iter().flatten().chain(&s.pg.departed);
+            let every_counted_down = rows()
+                .filter(|r| now < r.at.saturating_add(t.member_timeout))
+                .all(|r| !r.up);
             // A silent member that last said Redis up may have decisions
             // only the journal holds.
             let unaccounted = p.account_for_silent_members
-                && s.pg
-                    .members
-                    .iter()
-                    .flatten()
-                    .any(|r| r.up && now >= r.at.saturating_add(t.member_timeout));
+                && rows().any(|r| r.up && now >= r.at.saturating_add(t.member_timeout));
             if every_counted_down && !unaccounted {
                 s.pg.fleet = Fleet::RedisDown;
                 s.pg.epoch += 1;
@@ -260,24 +339,38 @@ impl ConsumeModel {
                 s.flush_missed = true;
             }
         }
-        // `Fleet::retire_silent`: the journal seen empty after this report
-        // accounts for every member that was silent at it.
-        if up && p.account_for_silent_members && s.redis.journal.is_empty() {
+        // `Fleet::retire_silent`: the journal seen empty (on the dataset this
+        // report read) after this report accounts for every member that was
+        // silent at it.
+        if up && p.account_for_silent_members && self.drained(s, s.pg.dataset) {
+            let silent = |r: &Report| r.up && now >= r.at.saturating_add(t.member_timeout);
             for m in s.pg.members.iter_mut() {
-                if m.is_some_and(|r| r.up && now >= r.at.saturating_add(t.member_timeout)) {
+                if m.is_some_and(|r| silent(&r)) {
                     *m = None;
                 }
             }
+            s.pg.departed.retain(|r| !silent(r));
         }
         s.insts[i].view = View {
             confirmed: Some(now),
             reported_up: up,
+            redis_reached: reachable,
             state: s.pg.fleet,
             epoch: s.pg.epoch,
             pg_failing: false,
+            dataset: s.pg.dataset,
         };
         if up && s.pg.fleet == Fleet::Normal {
             s.insts[i].closing = false;
+        }
+        // Item 15, `Fleet::adopt_dataset`: a fleet with no dataset yet (a new
+        // database) records a new id, written into Redis inside the
+        // transaction that holds the fleet row (one step here).
+        if p.redis_dataset && reachable && s.pg.dataset.is_none() && s.pg.fleet == Fleet::Normal {
+            let id = Some(Self::new_dataset(s));
+            s.redis.dataset = id;
+            s.pg.dataset = id;
+            s.insts[i].view.dataset = id;
         }
     }
 
@@ -311,6 +404,7 @@ impl ConsumeModel {
                 deadline,
                 bounded: p.script_not_after,
                 stalled: false,
+                dataset: s.insts[i].view.dataset,
             });
             let member_until = s.insts[i]
                 .view
@@ -328,48 +422,7 @@ impl ConsumeModel {
         if self.fenced_pg(s, i) {
             // `consume_fast_down` (src/ledger/degraded.rs): Postgres decides
             // under the fleet row's share lock at the instance's epoch.
-            let row = s.pg.rows[token];
-            if row.consumed() {
-                if row.rid == client.rid {
-                    Self::answer(
-                        s,
-                        Answer {
-                            token: client.token,
-                            gen: row.gen,
-                            rid: client.rid,
-                            via: Tier::Postgres,
-                            by: i as u8,
-                            first: false,
-                        },
-                    );
-                    s.clients[c].phase = Phase::Won { gen: row.gen };
-                } else {
-                    let stale = !s.newest(client.token).consumed();
-                    Self::duplicate(s, c, stale);
-                }
-            } else {
-                let gen = row.gen + 1;
-                s.pg.rows[token] = Mark {
-                    gen,
-                    rid: client.rid,
-                };
-                if !s.pg.resync.contains(&client.token) {
-                    s.pg.resync.push(client.token);
-                    s.pg.resync.sort_unstable();
-                }
-                Self::answer(
-                    s,
-                    Answer {
-                        token: client.token,
-                        gen,
-                        rid: client.rid,
-                        via: Tier::Postgres,
-                        by: i as u8,
-                        first: true,
-                    },
-                );
-                s.clients[c].phase = Phase::Won { gen };
-            }
+            Self::postgres_decides(s, c, i, true);
             return;
         }
         // Neither tier may decide here now: 503.
@@ -379,31 +432,41 @@ impl ConsumeModel {
     /// `consume.lua` in fast mode.
     fn deliver(&self, s: &mut State, k: usize) {
         let sc = s.scripts.remove(k);
-        let cooling = s.redis.cooling_until[sc.token as usize].is_some_and(|u| s.now <= u);
+        let t = sc.token as usize;
+        let cooling = s.redis.cooling_until[t].is_some_and(|u| s.now <= u);
+        let stale = !s.newest(sc.token).consumed();
         let outcome = if sc.bounded && s.now > sc.deadline {
             Outcome::Late
-        } else if cooling && !s.redis.markers[sc.token as usize].consumed() {
-            // Released moments ago: nobody consumes it yet (`cooling`); a
-            // caller still waiting sends again.
-            Outcome::Late
+        } else if self.cfg.protocol.redis_dataset
+            && (sc.dataset.is_none() || sc.dataset != s.redis.dataset)
+        {
+            // Item 15: the dataset key (`KEYS[3]`) is not the caller's
+            // (`ARGV[12]`): `foreign`, nothing read or written.
+            Outcome::Foreign
         } else {
-            let stale = !s.newest(sc.token).consumed();
-            let m = &mut s.redis.markers[sc.token as usize];
-            if m.consumed() {
-                Outcome::Consumed {
+            match s.redis.markers[t] {
+                // No key: `miss` (Redis lost it); nothing written.
+                None => Outcome::Miss,
+                Some(m) if m.consumed() => Outcome::Consumed {
                     gen: m.gen,
                     rid: m.rid,
                     stale,
+                },
+                // Released moments ago: nobody consumes it yet (`cooling`); a
+                // caller still waiting sends again.
+                Some(_) if cooling => Outcome::Late,
+                Some(m) => {
+                    let mark = Mark {
+                        gen: m.gen + 1,
+                        rid: sc.rid,
+                    };
+                    s.redis.markers[t] = Some(mark);
+                    s.redis.journal.push(Entry {
+                        token: sc.token,
+                        mark,
+                    });
+                    Outcome::Won { gen: mark.gen }
                 }
-            } else {
-                m.gen += 1;
-                m.rid = sc.rid;
-                let mark = *m;
-                s.redis.journal.push(Entry {
-                    token: sc.token,
-                    mark,
-                });
-                Outcome::Won { gen: mark.gen }
             }
         };
         s.replies.push(ReplyMsg {
@@ -498,6 +561,20 @@ impl ConsumeModel {
             }
             Outcome::Consumed { stale, .. } => Self::duplicate(s, c, stale),
             Outcome::Late => s.clients[c].phase = Phase::Ready,
+            // Item 15: nothing decided; `Fleet::redis_foreign` nudges a
+            // report (its next beat finds Redis foreign), 503.
+            Outcome::Foreign => s.clients[c].phase = Phase::Ready,
+            // Redis lost the token: Postgres decides (`decide_in_postgres`,
+            // then `settle_row` writes the row back to Redis off the path:
+            // not modelled, the key stays missing and Postgres keeps
+            // deciding), or 503 when it cannot be reached.
+            Outcome::Miss => {
+                if self.reaches_pg(s, i) {
+                    Self::postgres_decides(s, c, i, false);
+                } else {
+                    s.clients[c].phase = Phase::Ready;
+                }
+            }
         }
     }
 
@@ -513,12 +590,34 @@ impl ConsumeModel {
         } else {
             v.state == Fleet::Normal && self.reaches_redis(s, i)
         };
-        if to_redis {
-            let m = &mut s.redis.markers[t];
-            if m.consumed() && m.rid == client.rid {
-                m.gen += 1;
-                m.rid = 0;
-                let mark = *m;
+        // Item 15: `fast_write.lua` `release` carries the gate's dataset id
+        // too, and on another dataset writes nothing (`foreign`, 503,
+        // `Fleet::redis_foreign`): the client still holds its win.
+        if to_redis && self.foreign(s, v.dataset) {
+            return;
+        }
+        match (to_redis, s.redis.markers[t]) {
+            // `miss`: the finisher's release in Postgres (then `write_issued`
+            // off the path: not modelled), or 503.
+            (true, None) => {
+                if !self.reaches_pg(s, i) {
+                    return;
+                }
+                let row = &mut s.pg.rows[t];
+                if row.consumed() && row.rid == client.rid {
+                    row.gen += 1;
+                    row.rid = 0;
+                    s.clients[c].phase = Phase::Released;
+                } else {
+                    s.clients[c].phase = Phase::Done;
+                }
+            }
+            (true, Some(m)) if m.consumed() && m.rid == client.rid => {
+                let mark = Mark {
+                    gen: m.gen + 1,
+                    rid: 0,
+                };
+                s.redis.markers[t] = Some(mark);
                 s.redis.journal.push(Entry {
                     token: client.token,
                     mark,
@@ -535,24 +634,25 @@ impl ConsumeModel {
                     });
                 }
                 s.clients[c].phase = Phase::Released;
-            } else {
-                s.clients[c].phase = Phase::Done;
             }
-        } else if self.fenced_pg(s, i) {
-            let row = &mut s.pg.rows[t];
-            if row.consumed() && row.rid == client.rid {
-                row.gen += 1;
-                row.rid = 0;
-                if !s.pg.resync.contains(&client.token) {
-                    s.pg.resync.push(client.token);
-                    s.pg.resync.sort_unstable();
+            (true, Some(_)) => s.clients[c].phase = Phase::Done,
+            (false, _) if self.fenced_pg(s, i) => {
+                let row = &mut s.pg.rows[t];
+                if row.consumed() && row.rid == client.rid {
+                    row.gen += 1;
+                    row.rid = 0;
+                    if !s.pg.resync.contains(&client.token) {
+                        s.pg.resync.push(client.token);
+                        s.pg.resync.sort_unstable();
+                    }
+                    s.clients[c].phase = Phase::Released;
+                } else {
+                    s.clients[c].phase = Phase::Done;
                 }
-                s.clients[c].phase = Phase::Released;
-            } else {
-                s.clients[c].phase = Phase::Done;
             }
+            // Otherwise 503: the client still holds its win and may try again.
+            (false, _) => {}
         }
-        // Otherwise 503: the client still holds its win and may try again.
     }
 
     fn end_episode(&self, s: &mut State) {
@@ -560,15 +660,30 @@ impl ConsumeModel {
             let row = s.pg.rows[t as usize];
             let m = &mut s.redis.markers[t as usize];
             // A decision of the episode replaces a marker of the same
-            // generation (only a late script can have written one).
-            if m.gen <= row.gen {
-                *m = row;
+            // generation (only a late script can have written one), and
+            // creates a missing one.
+            if m.is_none_or(|m| m.gen <= row.gen) {
+                *m = Some(row);
             }
         }
         s.pg.fleet = Fleet::Normal;
+        if self.cfg.protocol.redis_dataset {
+            // Item 15: in the same final step (`finish_return`, holding the
+            // fleet row) Redis gets the fleet's dataset id back (a new one
+            // when the fleet had none): every member's recent decisions are
+            // in Postgres, and Redis holds what Postgres decided.
+            let id = s.pg.dataset.unwrap_or_else(|| Self::new_dataset(s));
+            s.redis.dataset = Some(id);
+            s.pg.dataset = Some(id);
+        }
     }
 
     fn crash(&self, s: &mut State, i: usize) {
+        // Its row stays in `fleet_members`; a restart reports as a new member.
+        if let Some(r) = s.pg.members[i].take() {
+            let at = s.pg.departed.partition_point(|x| *x < r);
+            s.pg.departed.insert(at, r);
+        }
         let inst = &mut s.insts[i];
         inst.alive = false;
         inst.paused = false;
@@ -669,9 +784,10 @@ impl ConsumeModel {
             insts,
             redis: Redis {
                 up: true,
-                markers: vec![Mark::default(); tokens],
+                markers: vec![Some(Mark::default()); tokens],
                 cooling_until: vec![None; tokens],
                 journal: Vec::new(),
+                dataset: None,
             },
             pg: Pg {
                 up: true,
@@ -679,7 +795,9 @@ impl ConsumeModel {
                 fleet: Fleet::Normal,
                 epoch: 0,
                 members: vec![None; n],
+                departed: Vec::new(),
                 resync: Vec::new(),
+                dataset: None,
             },
             clients,
             scripts: Vec::new(),
@@ -721,8 +839,10 @@ impl ConsumeModel {
                 {
                     out.push(Action::Drain(iu));
                 }
+                // The episode ends on a Redis its last report reached (with
+                // item 15's fix: on the fleet's dataset or a foreign one).
                 let v = s.insts[i].view;
-                if v.reported_up
+                if v.redis_reached
                     && v.state == Fleet::RedisDown
                     && s.pg.fleet == Fleet::RedisDown
                     && self.reaches_redis(s, i)
@@ -849,6 +969,9 @@ impl ConsumeModel {
                 out.push(Action::RedisUp);
             }
         }
+        if f.redis_restart && s.redis.up && can {
+            out.push(Action::RedisRestart);
+        }
     }
 
     fn step(&self, last: &State, action: Action) -> Option<State> {
@@ -938,6 +1061,14 @@ impl ConsumeModel {
                 s.redis.up = false;
             }
             Action::RedisUp => s.redis.up = true,
+            Action::RedisRestart => {
+                s.faults_used += 1;
+                let tokens = s.redis.markers.len();
+                s.redis.markers = vec![None; tokens];
+                s.redis.cooling_until = vec![None; tokens];
+                s.redis.journal.clear();
+                s.redis.dataset = None;
+            }
         }
         Some(s)
     }

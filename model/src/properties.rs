@@ -54,6 +54,11 @@ pub const SOMETIMES_PG_DECIDES: &str = "sometimes postgres decides a fast consum
 pub const SOMETIMES_RELEASED: &str = "sometimes a token is released";
 pub const SOMETIMES_LATE: &str = "sometimes a script reaches redis after its caller's deadline";
 pub const SOMETIMES_RETRY_WINS: &str = "sometimes a retry after a 503 wins";
+/// The fleet came back: Redis decides a token at a later generation than
+/// one Postgres decided (an episode ended, and Redis holds what Postgres
+/// decided).
+pub const SOMETIMES_REDIS_BACK: &str =
+    "sometimes redis decides a token again after postgres decided it";
 
 fn one_winner(_: &ConsumeModel, s: &State) -> bool {
     s.answers.iter().all(|a| {
@@ -133,6 +138,16 @@ fn sometimes_retry_wins(_: &ConsumeModel, s: &State) -> bool {
         .any(|c| c.tries > 1 && matches!(c.phase, Phase::Won { .. }))
 }
 
+fn sometimes_redis_back(_: &ConsumeModel, s: &State) -> bool {
+    s.answers.iter().any(|a| {
+        a.via == Tier::Redis
+            && a.first
+            && s.answers
+                .iter()
+                .any(|b| b.via == Tier::Postgres && b.token == a.token && b.gen < a.gen)
+    })
+}
+
 /// Every property the checker evaluates.
 pub fn all() -> Vec<Property<ConsumeModel>> {
     vec![
@@ -149,5 +164,6 @@ pub fn all() -> Vec<Property<ConsumeModel>> {
         Property::sometimes(SOMETIMES_RELEASED, sometimes_released),
         Property::sometimes(SOMETIMES_LATE, sometimes_late),
         Property::sometimes(SOMETIMES_RETRY_WINS, sometimes_retry_wins),
+        Property::sometimes(SOMETIMES_REDIS_BACK, sometimes_redis_back),
     ]
 }

@@ -18,10 +18,17 @@ pub struct View {
     pub confirmed: Option<u8>,
     /// That report said "Redis up".
     pub reported_up: bool,
+    /// That report found Redis reachable, on the fleet's dataset or not
+    /// (item 15: a foreign Redis is reported down, and the episode ends on
+    /// it). Without item 15's fix, the same as `reported_up`.
+    pub redis_reached: bool,
     pub state: Fleet,
     pub epoch: u8,
     /// Its last report, or going-down flush, failed on Postgres.
     pub pg_failing: bool,
+    /// The fleet row's dataset id as that report read it (item 15; `None`:
+    /// none yet, or never reported).
+    pub dataset: Option<u8>,
 }
 
 impl Default for View {
@@ -29,9 +36,11 @@ impl Default for View {
         View {
             confirmed: None,
             reported_up: false,
+            redis_reached: false,
             state: Fleet::Normal,
             epoch: 0,
             pg_failing: false,
+            dataset: None,
         }
     }
 }
@@ -91,15 +100,20 @@ pub struct Entry {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Redis {
     pub up: bool,
-    pub markers: Vec<Mark>,
+    /// Per token its hash (`None`: no key, after Redis restarted empty; a
+    /// consume then misses and Postgres decides).
+    pub markers: Vec<Option<Mark>>,
     /// Per token: until when (tick) a release lets nobody consume it
     /// (`ca`, consume.lua's `cooling`).
     pub cooling_until: Vec<Option<u8>>,
     pub journal: Vec<Entry>,
+    /// The dataset key (`<prefix>dataset`, item 15): the id the fleet
+    /// agreed on, `None` once Redis restarted empty (or before the first).
+    pub dataset: Option<u8>,
 }
 
 /// A member's last committed report in `fleet_members`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Report {
     pub up: bool,
     pub at: u8,
@@ -111,9 +125,18 @@ pub struct Pg {
     pub rows: Vec<Mark>,
     pub fleet: Fleet,
     pub epoch: u8,
+    /// Per instance, its current process's row.
     pub members: Vec<Option<Report>>,
+    /// The rows of processes that crashed (sorted): a restarted process is
+    /// a new member (`Fleet::new` draws a new instance id), and the old row
+    /// stays until it is retired (`Fleet::retire_silent`; one that said
+    /// Redis down is forgotten after an hour, beyond the bound).
+    pub departed: Vec<Report>,
     /// `redis_resync`: tokens Postgres decided during the episode.
     pub resync: Vec<u8>,
+    /// The fleet row's Redis dataset id (`fleet_state.redis_dataset`, item
+    /// 15; `None`: none recorded yet).
+    pub dataset: Option<u8>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -170,6 +193,9 @@ pub struct Script {
     pub bounded: bool,
     /// Held in a stalled link: may arrive after its deadline.
     pub stalled: bool,
+    /// The dataset id of the sender's view (item 15): Redis decides only
+    /// on it.
+    pub dataset: Option<u8>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -181,6 +207,11 @@ pub enum Outcome {
     Consumed { gen: u8, rid: u8, stale: bool },
     /// It ran past its not-after bound and wrote nothing.
     Late,
+    /// No key (Redis restarted empty): nothing written; Postgres decides.
+    Miss,
+    /// Redis holds another dataset than the script's (item 15): nothing
+    /// written, answered 503.
+    Foreign,
 }
 
 /// A script's reply on its way back to the instance.
@@ -260,7 +291,7 @@ impl State {
     /// journal, Postgres's row): the highest generation.
     pub fn newest(&self, token: u8) -> Mark {
         let t = token as usize;
-        let mut best = self.redis.markers[t];
+        let mut best = self.redis.markers[t].unwrap_or_default();
         let row = self.pg.rows[t];
         if row.gen > best.gen {
             best = row;
