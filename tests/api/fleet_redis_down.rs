@@ -355,8 +355,6 @@ async fn a_redis_restarted_empty_decides_nothing_until_the_fleet_has_its_lost_de
     assert!(consumed(&fresh), "{fresh:?}");
     let text = app.metrics_text().await;
     assert_eq!(sample(&text, "ledger_fleet_redis_foreign", &[]), Some(0.0));
-    let redis_decided = redis.cli(&["EXISTS", &app.token_key(&tokens[2])]);
-    assert_eq!(redis_decided.trim(), "1", "redis decided the fresh token");
 }
 
 /// A member fell silent after saying Redis was up (it crashed), and Redis
@@ -430,6 +428,4 @@ async fn a_member_lost_with_redis_is_waited_for_until_an_operator_forgets_it() {
     })
     .await;
     assert!(consumed(&decided), "{decided:?}");
-    let in_redis = redis.cli(&["EXISTS", &app.token_key(&tokens[1])]);
-    assert_eq!(in_redis.trim(), "1", "redis decided it");
 }
