@@ -1,9 +1,10 @@
 //! What a run of the checker explores: the protocol's switches (one per fix
-//! of issue 24), the faults it may inject, the timing in ticks, and the
+//! of issue 24, and item 15's for Redis restarting empty), the faults it may inject, the timing in ticks, and the
 //! size of the world (instances, tokens, clients).
 
 /// The consume protocol as it is today, or as it was before one of the
-/// fixes of issue 24 (items 2 to 6). `Protocol::default()` is today's.
+/// fixes of issue 24 (items 2 to 6, the model's findings 11 to 14) or item
+/// 15 (Redis restarts empty). `Protocol::default()` is today's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Protocol {
     /// Item 2. `true` (fix): a member whose reports fail on Postgres keeps

@@ -2,7 +2,7 @@
 //! decides, Postgres receives a journal) and of the fleet's switch to
 //! Postgres deciding (`redis_down`), checked with the `stateright` model
 //! checker under crashes, pauses, partitions, lost replies, late scripts,
-//! tier outages and clock skew. See README.md.
+//! tier outages, Redis restarting empty and clock skew. See README.md.
 
 pub mod config;
 pub mod model;
