@@ -204,10 +204,13 @@ pub enum AuditKind {
     TokenUncertain,
     /// The same for a client key.
     KeyUncertain,
+    /// An operator accepted that a silent fleet member's Redis decisions
+    /// are lost (`fleet forget-silent --accept-lost-decisions`).
+    FleetForgotten,
 }
 
 impl AuditKind {
-    pub const ALL: [AuditKind; 15] = [
+    pub const ALL: [AuditKind; 16] = [
         AuditKind::TokenIssued,
         AuditKind::TokenConsumed,
         AuditKind::TokenReleased,
@@ -223,6 +226,7 @@ impl AuditKind {
         AuditKind::TokenConflict,
         AuditKind::TokenUncertain,
         AuditKind::KeyUncertain,
+        AuditKind::FleetForgotten,
     ];
 
     /// The label in SQL, JSON and on the command line.
@@ -243,6 +247,7 @@ impl AuditKind {
             AuditKind::TokenConflict => "token.conflict",
             AuditKind::TokenUncertain => "token.uncertain",
             AuditKind::KeyUncertain => "key.uncertain",
+            AuditKind::FleetForgotten => "fleet.forgotten",
         }
     }
 
@@ -326,6 +331,7 @@ mod tests {
         let added = [
             include_str!("../migrations/V6__client_keys.sql"),
             include_str!("../migrations/V11__conflict_and_uncertain_kinds.sql"),
+            include_str!("../migrations/V18__fleet_forgotten_audit.sql"),
         ];
         labels.extend(added.iter().flat_map(|m| m.lines()).filter_map(|l| {
             l.strip_prefix("ALTER TYPE audit_kind ADD VALUE IF NOT EXISTS '")?

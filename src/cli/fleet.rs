@@ -1,6 +1,7 @@
 //! `fleet forget-silent`: an operator accepts that the Redis decisions of
 //! the fleet's silent members are lost, so that the fleet can let Postgres
-//! decide fast types again (see docs/operations.md, LedgerFleetStuck).
+//! decide fast types again (see docs/operations.md, LedgerFleetStuck). Each
+//! member forgotten leaves a `fleet.forgotten` audit event.
 
 use std::process::ExitCode;
 
@@ -8,6 +9,7 @@ use clap::{Args, Subcommand};
 use serde_json::json;
 
 use crate::config::Settings;
+use crate::domain::Reason;
 use crate::durable::fleet as store;
 use crate::durable::pools::Pools;
 
@@ -26,6 +28,10 @@ pub struct ForgetArgs {
     /// may then be consumed again).
     #[arg(long)]
     pub accept_lost_decisions: bool,
+    /// Why (a ticket, an incident): recorded in each member's
+    /// `fleet.forgotten` audit event. 1 to 500 characters.
+    #[arg(long)]
+    pub reason: Option<String>,
 }
 
 pub async fn run(settings: &Settings, what: FleetCommand) -> ExitCode {
@@ -36,6 +42,13 @@ pub async fn run(settings: &Settings, what: FleetCommand) -> ExitCode {
         );
         return ExitCode::from(2);
     }
+    let reason = match args.reason.as_deref().map(Reason::parse).transpose() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("idempotency-ledger: --reason: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let pools = match Pools::new(&settings.postgres) {
         Ok(p) => p,
         Err(e) => {
@@ -44,7 +57,7 @@ pub async fn run(settings: &Settings, what: FleetCommand) -> ExitCode {
         }
     };
     let timeout = crate::fleet::member_timeout(settings);
-    match store::forget_silent(&pools.admin, timeout).await {
+    match store::forget_silent(&pools.admin, timeout, reason.as_ref().map(Reason::as_str)).await {
         Ok(forgotten) => {
             for f in &forgotten {
                 tracing::warn!(instance = %f.instance, last_seen = %f.last_seen, "fleet: silent member forgotten by an operator; its redis decisions not in postgres are lost");

@@ -141,13 +141,28 @@ pub struct Forgotten {
 pub async fn forget_silent(
     pool: &PgPool,
     member_timeout: Duration,
+    reason: Option<&str>,
 ) -> Result<Vec<Forgotten>, DurableError> {
+    // One statement: a member is forgotten only together with its
+    // `fleet.forgotten` audit event.
     let rows: Vec<(Uuid, DateTime<Utc>)> = sqlx::query_as(
-        "DELETE FROM fleet_members
-          WHERE redis_up AND seen_at <= clock_timestamp() - $1 * interval '1 millisecond'
-         RETURNING instance, seen_at",
+        "WITH gone AS (
+             DELETE FROM fleet_members
+              WHERE redis_up AND seen_at <= clock_timestamp() - $1 * interval '1 millisecond'
+             RETURNING instance, seen_at
+         ), logged AS (
+             INSERT INTO audit_events (kind, detail)
+             SELECT 'fleet.forgotten',
+                    jsonb_strip_nulls(jsonb_build_object(
+                        'instance', instance::text, 'last_seen', seen_at,
+                        'member_timeout_ms', $1::bigint, 'by', 'cli', 'reason', $2::text,
+                        'accepted', 'lost_decisions'))
+               FROM gone
+         )
+         SELECT instance, seen_at FROM gone",
     )
     .bind(ms(member_timeout))
+    .bind(reason)
     .fetch_all(pool)
     .await?;
     let mut out: Vec<Forgotten> = rows

@@ -397,7 +397,13 @@ async fn a_member_lost_with_redis_is_waited_for_until_an_operator_forgets_it() {
     assert_eq!(refused.status.code(), Some(2), "the flag is required");
     let out = cli(
         &config,
-        &["fleet", "forget-silent", "--accept-lost-decisions"],
+        &[
+            "fleet",
+            "forget-silent",
+            "--accept-lost-decisions",
+            "--reason",
+            "INC-7: redis lost with member",
+        ],
     )
     .await;
     assert_eq!(
@@ -412,6 +418,29 @@ async fn a_member_lost_with_redis_is_waited_for_until_an_operator_forgets_it() {
         crashed.to_string(),
         "{said}"
     );
+    // The auditors' trail says who forgot which member, and why.
+    let (status, _, audit) =
+        answer(app.get(ADMIN, "/v1/admin/audit?kind=fleet.forgotten").await).await;
+    assert_eq!(status, StatusCode::OK, "{audit}");
+    let events = audit["events"].as_array().expect("events");
+    assert_eq!(events.len(), 1, "{audit}");
+    let detail = &events[0]["detail"];
+    assert_eq!(detail["instance"], crashed.to_string(), "{audit}");
+    assert_eq!(detail["reason"], "INC-7: redis lost with member", "{audit}");
+    assert_eq!(detail["by"], "cli", "{audit}");
+    assert_eq!(detail["accepted"], "lost_decisions", "{audit}");
+    let bad = cli(
+        &config,
+        &[
+            "fleet",
+            "forget-silent",
+            "--accept-lost-decisions",
+            "--reason",
+            " ",
+        ],
+    )
+    .await;
+    assert_eq!(bad.status.code(), Some(2), "a blank reason is refused");
 
     // The fleet goes through an episode and Redis decides again.
     eventually(20, || async {
