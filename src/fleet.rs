@@ -69,11 +69,14 @@
 //! the journal's emptiness are measured on the service clock's monotonic
 //! reading ([`Clock::monotonic`]), so tests drive them.
 
+mod drain;
+
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use chrono::{DateTime, Utc};
 use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Opts};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
@@ -85,8 +88,9 @@ pub use crate::durable::fleet::FleetState;
 use crate::durable::fleet::{self as store, Queued};
 use crate::durable::tokens::TokenState;
 use crate::durable::DurableError;
-use crate::fast::{FastError, FastTier, JournalEntry, JournalState, Marker};
+use crate::fast::{FastError, FastTier, JournalEntry, JournalState, Marker, Span};
 use crate::metrics::Metrics;
+use drain::DrainMarks;
 
 /// A journal entry as its script completed it.
 type Fields = crate::fast::Stamped;
@@ -249,6 +253,11 @@ pub struct Fleet {
     /// `recent` holds `RECENT_LIMIT` entries: the gate stays closed until
     /// the journal catches up.
     recent_full: AtomicBool,
+    /// The journal reads `recent` waits on to pass (each at its monotonic
+    /// reading), and those silent members wait on to be retired (each at
+    /// its report's time).
+    recent_marks: Mutex<DrainMarks<Instant>>,
+    retire_marks: Mutex<DrainMarks<DateTime<Utc>>>,
     nudge: tokio::sync::Notify,
     metrics: FleetMetrics,
 }
@@ -309,13 +318,35 @@ pub fn member_timeout(settings: &Settings) -> Duration {
     settings.fleet.lease + settings.redis.timeout + Duration::from_secs(1)
 }
 
-/// The journal read says every entry of the agreed dataset is in
-/// Postgres (or, with no dataset checked, that the stream is empty).
-fn drained(seen: &JournalState) -> bool {
-    matches!(
-        seen,
-        JournalState::Agreed { len: 0 } | JournalState::Unchecked { len: 0 }
-    )
+/// The journal as one read saw it, on the dataset asked about (or with no
+/// dataset checked): its span; `None` when Redis was foreign or the read
+/// failed.
+fn span_of(seen: &Result<JournalState, FastError>) -> Option<Span> {
+    match seen {
+        Ok(JournalState::Agreed { span } | JournalState::Unchecked { span }) => Some(*span),
+        Ok(JournalState::Foreign) | Err(_) => None,
+    }
+}
+
+/// One more read for `marks`: marks it when this instance's backlog was
+/// empty around it, forgets every mark when Redis was foreign or
+/// unreachable; what it found drained.
+fn read_marks<T: Copy>(
+    marks: &Mutex<DrainMarks<T>>,
+    what: T,
+    seen: &Result<JournalState, FastError>,
+    backlog_empty: bool,
+    epoch: i64,
+) -> Option<T> {
+    let mut marks = marks.lock().unwrap_or_else(|p| p.into_inner());
+    match span_of(seen) {
+        Some(span) if backlog_empty => marks.read(what, span, epoch),
+        Some(span) => marks.read_without_mark(span, epoch),
+        None => {
+            marks.clear();
+            None
+        }
+    }
 }
 
 impl Fleet {
@@ -354,6 +385,8 @@ impl Fleet {
             deciding: tokio::sync::RwLock::new(()),
             recent: Mutex::new(VecDeque::new()),
             recent_full: AtomicBool::new(false),
+            recent_marks: Mutex::new(DrainMarks::default()),
+            retire_marks: Mutex::new(DrainMarks::default()),
             nudge: tokio::sync::Notify::new(),
             metrics: FleetMetrics::new(metrics),
         }
@@ -427,11 +460,12 @@ impl Fleet {
         }
     }
 
-    /// The journal stream (and this instance's backlog of entries not yet
-    /// appended) was empty after `probe`: every decision recorded before
-    /// it is in Postgres (an entry leaves the stream once Postgres has it,
-    /// and was appended before its decision was recorded here), so the
-    /// going-down flush no longer needs it.
+    /// The journal stream was drained past a read taken after `probe`
+    /// (with this instance's backlog of entries not yet appended empty):
+    /// every decision recorded before it is in Postgres (an entry leaves
+    /// the stream once Postgres has it, and was appended before its
+    /// decision was recorded here), so the going-down flush no longer
+    /// needs it.
     fn journal_drained_before(&self, probe: Instant) {
         let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
         while recent.front().is_some_and(|(at, _)| *at < probe) {
@@ -442,14 +476,20 @@ impl Fleet {
         }
     }
 
-    /// Looks whether the journal is drained (one `MULTI`: the dataset and
-    /// `XLEN`), see [`Self::journal_drained_before`]; `false` when Redis
-    /// holds another dataset than the fleet agreed on.
+    /// Looks how far the journal is drained (one `MULTI`: the dataset and
+    /// the stream's oldest and newest entries; [`DrainMarks`]), see
+    /// [`Self::journal_drained_before`]; `false` when Redis holds another
+    /// dataset than the fleet agreed on.
     async fn note_journal_progress(&self) -> bool {
         let probe = self.clock.monotonic();
-        let seen = self.fast.journal_state(self.view().dataset).await;
-        if self.fast.journal_backlog_len() == 0 && seen.as_ref().is_ok_and(drained) {
-            self.journal_drained_before(probe);
+        let view = self.view();
+        let backlog_empty = self.fast.journal_backlog_len() == 0;
+        let seen = self.fast.journal_state(view.dataset).await;
+        let backlog_empty = backlog_empty && self.fast.journal_backlog_len() == 0;
+        if let Some(before) =
+            read_marks(&self.recent_marks, probe, &seen, backlog_empty, view.epoch)
+        {
+            self.journal_drained_before(before);
         }
         let foreign = matches!(seen, Ok(JournalState::Foreign));
         self.metrics.foreign.set(i64::from(foreign));
@@ -636,22 +676,20 @@ impl Fleet {
         }
     }
 
-    /// Retires the silent members `r` found unaccounted for, once the
-    /// journal is seen empty after that report: their decisions are then
-    /// in Postgres (see [`store::retire`]).
+    /// Retires the silent members `r` (or an earlier report) found
+    /// unaccounted for, once the journal is seen drained past a read taken
+    /// after that report ([`DrainMarks`]; it need not ever be seen empty):
+    /// their decisions are then in Postgres (see [`store::retire`]).
     async fn retire_silent(&self, r: &store::Report) {
-        let drained = self.fast.journal_backlog_len() == 0
-            && self
-                .fast
-                .journal_state(r.dataset)
-                .await
-                .as_ref()
-                .is_ok_and(drained);
-        if !drained {
+        let backlog_empty = self.fast.journal_backlog_len() == 0;
+        let seen = self.fast.journal_state(r.dataset).await;
+        let backlog_empty = backlog_empty && self.fast.journal_backlog_len() == 0;
+        let Some(counted_at) = read_marks(&self.retire_marks, r.at, &seen, backlog_empty, r.epoch)
+        else {
             return;
-        }
+        };
         match self
-            .bounded(store::retire(&self.pool, r.at, self.member_timeout))
+            .bounded(store::retire(&self.pool, counted_at, self.member_timeout))
             .await
         {
             Ok(0) => {}

@@ -3,8 +3,9 @@
 //! restarted empty (or any other Redis behind the same address) is told
 //! apart from the one whose journal the fleet drained. The consume script
 //! checks it before a fast decision; [`FastTier::journal_state`] reads it with
-//! the journal's length. The protocol is [`crate::fleet`]'s.
+//! the journal's oldest and newest entry ids. The protocol is [`crate::fleet`]'s.
 
+use redis::streams::StreamRangeReply;
 use uuid::Uuid;
 
 use super::{FastError, FastTier};
@@ -12,17 +13,59 @@ use super::{FastError, FastTier};
 /// The journal stream as seen in one atomic read with the dataset key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum JournalState {
-    /// Redis holds the dataset asked about, and its journal has this many
+    /// Redis holds the dataset asked about; its journal's oldest and newest
     /// entries.
-    Agreed { len: u64 },
+    Agreed { span: Span },
     /// Redis holds another dataset, or none (it restarted empty, was
     /// flushed, or is another server): its journal says nothing about the
     /// decisions made on the agreed one.
     Foreign,
     /// Not checked: no dataset agreed yet, or a cluster (the dataset key and
     /// the journal stream live in different slots, and scripts touch only
-    /// their token's). The journal's length alone.
-    Unchecked { len: u64 },
+    /// their token's). The journal's oldest and newest entries alone.
+    Unchecked { span: Span },
+}
+
+/// The ids of the journal's oldest and newest entries (`None`: empty). An
+/// entry leaves the stream only once Postgres has it, so every entry at or
+/// below an id once seen as `last` is in Postgres when a later read finds
+/// `first` above it, or the stream empty: the journal was drained past that
+/// read, though it may never be seen empty under steady traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Span {
+    pub first: Option<EntryId>,
+    pub last: Option<EntryId>,
+}
+
+impl Span {
+    pub fn is_empty(&self) -> bool {
+        self.first.is_none()
+    }
+
+    fn of(first: &StreamRangeReply, last: &StreamRangeReply) -> Span {
+        let id = |r: &StreamRangeReply| r.ids.first().and_then(|e| EntryId::parse(&e.id));
+        Span {
+            first: id(first),
+            last: id(last),
+        }
+    }
+}
+
+/// A stream entry id, `<ms>-<seq>`, ordered as Redis orders them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct EntryId {
+    ms: u64,
+    seq: u64,
+}
+
+impl EntryId {
+    pub fn parse(s: &str) -> Option<EntryId> {
+        let (ms, seq) = s.split_once('-')?;
+        Some(EntryId {
+            ms: ms.parse().ok()?,
+            seq: seq.parse().ok()?,
+        })
+    }
 }
 
 impl FastTier {
@@ -53,30 +96,75 @@ impl FastTier {
         .await
     }
 
-    /// The journal's length, with whether Redis holds `agreed` (read in
-    /// one `MULTI`, so that a restart cannot fall between the two).
+    /// The journal's oldest and newest entries, with whether Redis holds
+    /// `agreed` (read in one `MULTI`, so that a restart cannot fall between
+    /// them).
     pub async fn journal_state(&self, agreed: Option<Uuid>) -> Result<JournalState, FastError> {
+        let (dataset_key, journal_key) = (&self.dataset_key(), &self.journal_key());
         let (Some(agreed), true) = (agreed, self.checks_dataset()) else {
+            let (first, last): (StreamRangeReply, StreamRangeReply) = self
+                .call_background("xrange", |mut c| async move {
+                    span_commands(&mut redis::pipe(), journal_key)
+                        .query_async(&mut c)
+                        .await
+                })
+                .await?;
             return Ok(JournalState::Unchecked {
-                len: self.journal_len().await?,
+                span: Span::of(&first, &last),
             });
         };
-        let (dataset_key, journal_key) = (&self.dataset_key(), &self.journal_key());
-        let (held, len): (Option<String>, u64) = self
-            .call_background("xlen", |mut c| async move {
-                redis::pipe()
-                    .atomic()
-                    .cmd("GET")
-                    .arg(dataset_key)
-                    .cmd("XLEN")
-                    .arg(journal_key)
-                    .query_async(&mut c)
-                    .await
+        let (held, first, last): (Option<String>, StreamRangeReply, StreamRangeReply) = self
+            .call_background("xrange", |mut c| async move {
+                let mut p = redis::pipe();
+                p.atomic().cmd("GET").arg(dataset_key);
+                span_commands(&mut p, journal_key).query_async(&mut c).await
             })
             .await?;
         Ok(match held {
-            Some(id) if id == agreed.to_string() => JournalState::Agreed { len },
+            Some(id) if id == agreed.to_string() => JournalState::Agreed {
+                span: Span::of(&first, &last),
+            },
             _ => JournalState::Foreign,
         })
+    }
+}
+
+/// The journal's oldest and newest entries, appended to `p`.
+fn span_commands<'p>(p: &'p mut redis::Pipeline, journal_key: &str) -> &'p mut redis::Pipeline {
+    p.cmd("XRANGE")
+        .arg(journal_key)
+        .arg("-")
+        .arg("+")
+        .arg("COUNT")
+        .arg(1)
+        .cmd("XREVRANGE")
+        .arg(journal_key)
+        .arg("+")
+        .arg("-")
+        .arg("COUNT")
+        .arg(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entry_ids_order_as_redis_orders_them() {
+        let id = |s| EntryId::parse(s).expect(s);
+        assert!(id("1700000000000-0") < id("1700000000000-1"));
+        assert!(id("1700000000000-10") > id("1700000000000-9"));
+        assert!(id("999-5") < id("1000-0"));
+        for bad in [
+            "",
+            "1",
+            "a-1",
+            "1-",
+            "-1",
+            "1-2-3",
+            "18446744073709551616-0",
+        ] {
+            assert_eq!(EntryId::parse(bad), None, "{bad:?}");
+        }
     }
 }

@@ -58,7 +58,7 @@ mod write;
 pub use consume::{
     Attempt, Claim, ConsumeMode, Decision, KeyArgs, KeyVersion, Marker, Peek, ScriptOutcome,
 };
-pub use dataset::JournalState;
+pub use dataset::{EntryId, JournalState, Span};
 pub use journal::{JournalEntry, ReadFrom, GROUP};
 pub use record::{Op, Record, Stamped};
 pub use scan::{KeyRead, KeyState, ScanNode};
