@@ -1,6 +1,7 @@
 //! The chaos run's history (every request the clients sent and what came
 //! back) and its checker: the per-token properties that must hold whatever
-//! the nemesis did.
+//! the nemesis did. A client key is checked as a token is, under the name
+//! `key:<biz>:<key>` (it has no issuance: it exists from its first consume).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Mutex;

@@ -1,9 +1,10 @@
 //! The chaos test: three real instances on one private Postgres and one
 //! private Redis, a proxy on each instance's link to each, payment-like
-//! clients racing two attempts on every token while a nemesis breaks
+//! clients racing two attempts on every token and every client key (fast
+//! and durable types of both) while a nemesis breaks
 //! links, servers (Redis restarted empty among them) and instances at random; then everything heals, every
 //! attempt is retried once more, and the whole history is checked per
-//! token (`history::check`).
+//! token or key (`history::check`).
 //!
 //! `CHAOS_SEED` replays a fault schedule (the seed is printed; the
 //! interleavings of real processes are not replayed), `CHAOS_SECS` sets how
@@ -43,6 +44,52 @@ struct Clients {
 struct Issued {
     token: String,
     subject: String,
+}
+
+/// What the clients race to consume: an issued token, or a client key (it
+/// exists from its first consume on; `key` is unique to the run).
+#[derive(Debug, Clone)]
+enum Target {
+    Token(Issued),
+    Key { biz: &'static str, key: String },
+}
+
+impl Target {
+    /// Its name in the history: the token, or `key:<biz>:<key>`.
+    fn name(&self) -> String {
+        match self {
+            Target::Token(t) => t.token.clone(),
+            Target::Key { biz, key } => format!("key:{biz}:{key}"),
+        }
+    }
+
+    /// The consume call of attempt `rid`: path and body.
+    fn consume(&self, rid: &str) -> (String, Value) {
+        match self {
+            Target::Token(t) => (
+                format!("/v1/tokens/{}/consume", t.token),
+                json!({"subject": t.subject, "request_id": rid}),
+            ),
+            Target::Key { biz, key } => (
+                "/v1/keys/consume".to_owned(),
+                json!({"biz_type": biz, "key": key, "request_id": rid}),
+            ),
+        }
+    }
+
+    /// The winner's result call: path and body.
+    fn result(&self, rid: &str) -> (String, Value) {
+        match self {
+            Target::Token(t) => (
+                format!("/v1/tokens/{}/result", t.token),
+                json!({"subject": t.subject, "result": {"by": rid}, "request_id": rid}),
+            ),
+            Target::Key { biz, key } => (
+                "/v1/keys/result".to_owned(),
+                json!({"biz_type": biz, "key": key, "result": {"by": rid}, "request_id": rid}),
+            ),
+        }
+    }
 }
 
 impl Clients {
@@ -136,9 +183,9 @@ impl Clients {
     /// instance) until an answer settles it; the winner records its result
     /// the same way. `until_settled` keeps trying after the nemesis stopped;
     /// otherwise the attempt gives up when it does.
-    async fn attempt(&self, rng: &mut StdRng, t: &Issued, rid: &str, until_settled: bool) {
-        let consume = json!({"subject": t.subject, "request_id": rid});
-        let path = format!("/v1/tokens/{}/consume", t.token);
+    async fn attempt(&self, rng: &mut StdRng, t: &Target, rid: &str, until_settled: bool) {
+        let name = t.name();
+        let (path, consume) = t.consume(rid);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
         let won = loop {
             if !until_settled && !self.chaos.load(Ordering::Relaxed) {
@@ -149,7 +196,7 @@ impl Clients {
             }
             let at = rng.gen_range(0..self.addresses.len());
             let (a, _) = self.post(at, &path, &consume).await;
-            self.record(&t.token, Some(rid), Op::Consume, at, &a);
+            self.record(&name, Some(rid), Op::Consume, at, &a);
             match a {
                 Answer::Http { status: 200, said } => break said.as_deref() == Some("consumed"),
                 Answer::Http {
@@ -164,12 +211,11 @@ impl Clients {
         if !won {
             return;
         }
-        let result = json!({"subject": t.subject, "result": {"by": rid}, "request_id": rid});
-        let path = format!("/v1/tokens/{}/result", t.token);
+        let (path, result) = t.result(rid);
         while tokio::time::Instant::now() < deadline {
             let at = rng.gen_range(0..self.addresses.len());
             let (a, _) = self.post(at, &path, &result).await;
-            self.record(&t.token, Some(rid), Op::Result, at, &a);
+            self.record(&name, Some(rid), Op::Result, at, &a);
             match a {
                 Answer::Http {
                     status: 503 | 429, ..
@@ -228,18 +274,30 @@ async fn under_random_faults_every_token_is_consumed_exactly_once() {
         began: std::time::Instant::now(),
     });
 
-    // Issuance during the faults; each token raced by two attempts.
+    // Issuance during the faults, and a new client key every other round;
+    // each token and key raced by two attempts.
     let issuer = {
         let clients = clients.clone();
         tokio::spawn(async move {
             let mut rng = StdRng::seed_from_u64(seed ^ 0x155);
-            let mut issued: Vec<Issued> = Vec::new();
+            let mut issued: Vec<Target> = Vec::new();
             let mut racers = Vec::new();
             let mut i = 0usize;
             while clients.chaos.load(Ordering::Relaxed) {
                 let biz = if i.is_multiple_of(2) { "like" } else { "order" };
                 let subject = format!("s{}", i % 16);
+                let mut new = Vec::new();
                 if let Some(t) = clients.issue(&mut rng, biz, &subject).await {
+                    new.push(Target::Token(t));
+                }
+                if i.is_multiple_of(2) {
+                    let biz = if i.is_multiple_of(4) { "like" } else { "order" };
+                    new.push(Target::Key {
+                        biz,
+                        key: format!("chaos-{seed:x}-{i}"),
+                    });
+                }
+                for t in new {
                     for rid in rids(issued.len()) {
                         let (clients, t) = (clients.clone(), t.clone());
                         let mut rng = StdRng::seed_from_u64(rng.gen());
@@ -294,6 +352,7 @@ async fn under_random_faults_every_token_is_consumed_exactly_once() {
     while tokio::time::Instant::now() < end {
         tokio::time::sleep(Duration::from_millis(rng.gen_range(100..1_000))).await;
         let fault = fleet.apart(nemesis::draw(&mut rng, fleet.procs.len(), own));
+        let fault = fleet.accountable(fault, &clients.http).await;
         let hold = Duration::from_millis(rng.gen_range(200..4_000));
         note(&schedule, fault, hold);
         fleet.inflict(fault, hold).await;
@@ -308,50 +367,80 @@ async fn under_random_faults_every_token_is_consumed_exactly_once() {
     // Healed: every attempt once more with its own request_id, until it
     // gets an answer that settles it.
     fleet.heal().await;
-    fleet.wait_settled(&clients.http).await;
+    let settled = |r: Result<(), String>| {
+        if let Err(e) = r {
+            panic!("seed {seed}: {e}\nschedule: {}", schedule.join("; "));
+        }
+    };
+    settled(fleet.wait_settled(&clients.http).await);
+    // At most 128 at once, as a client population would send them: a long
+    // run's thousands of targets all at once only time out on two cores.
+    let permits = Arc::new(tokio::sync::Semaphore::new(128));
     let last: Vec<_> = issued
         .iter()
         .enumerate()
         .flat_map(|(i, t)| rids(i).map(|rid| (t.clone(), rid)))
         .map(|(t, rid)| {
-            let clients = clients.clone();
+            let (clients, permits) = (clients.clone(), permits.clone());
             let mut rng = StdRng::seed_from_u64(seed);
-            tokio::spawn(async move { clients.attempt(&mut rng, &t, &rid, true).await })
+            tokio::spawn(async move {
+                let _permit = permits.acquire().await.expect("permits");
+                clients.attempt(&mut rng, &t, &rid, true).await
+            })
         })
         .collect();
     for l in last {
         l.await.expect("last round");
     }
-    fleet.wait_settled(&clients.http).await;
+    settled(fleet.wait_settled(&clients.http).await);
 
     // What Postgres holds, read directly.
     let pool = sqlx::PgPool::connect(&fleet.db_url())
         .await
         .expect("postgres");
-    let tokens: Vec<String> = issued.iter().map(|t| t.token.clone()).collect();
-    let rows: Vec<(String, String, Option<String>)> =
-        sqlx::query_as("SELECT token, state::text, request_id FROM tokens WHERE token = ANY($1)")
-            .bind(&tokens)
-            .fetch_all(&pool)
-            .await
-            .expect("rows");
+    let tokens: Vec<String> = issued
+        .iter()
+        .filter_map(|t| match t {
+            Target::Token(t) => Some(t.token.clone()),
+            Target::Key { .. } => None,
+        })
+        .collect();
+    let keys: Vec<String> = issued
+        .iter()
+        .filter_map(|t| match t {
+            Target::Key { key, .. } => Some(key.clone()),
+            Target::Token(_) => None,
+        })
+        .collect();
+    let rows: Vec<(String, String, Option<String>)> = sqlx::query_as(
+        "SELECT token, state::text, request_id FROM tokens WHERE token = ANY($1) AND key IS NULL
+         UNION ALL
+         SELECT 'key:' || biz_type || ':' || key, state::text, request_id FROM tokens
+          WHERE key = ANY($2) AND client = 'payments'",
+    )
+    .bind(&tokens)
+    .bind(&keys)
+    .fetch_all(&pool)
+    .await
+    .expect("rows");
     let rows: Rows = rows.into_iter().map(|(t, s, r)| (t, (s, r))).collect();
 
     let events = clients.history.events();
-    let set: BTreeSet<String> = tokens.iter().cloned().collect();
+    let set: BTreeSet<String> = issued.iter().map(Target::name).collect();
     let violations = check(&events, &set, &rows);
     let answered = events.iter().filter(|e| e.phase == Phase::Chaos).count();
     eprintln!(
-        "chaos: seed {seed}: {} tokens, {} requests ({answered} under faults), {} faults: {}",
-        issued.len(),
+        "chaos: seed {seed}: {} tokens and {} keys, {} requests ({answered} under faults), {} faults: {}",
+        tokens.len(),
+        keys.len(),
         events.len(),
         schedule.len(),
         schedule.join("; ")
     );
     assert!(
-        issued.len() >= 50,
+        tokens.len() >= 50,
         "seed {seed}: only {} tokens issued",
-        issued.len()
+        tokens.len()
     );
     if !violations.is_empty() {
         eprintln!(
