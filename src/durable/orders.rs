@@ -201,6 +201,8 @@ pub struct TokenUsage {
     pub used_by: Option<UsedBy>,
     /// Consumed (by a plain consume or an order event).
     pub consumed: bool,
+    /// The fingerprint it was consumed with: its row's, or once its row has
+    /// gone with retention (V19), its order event's.
     pub fingerprint: Option<String>,
     /// Its expiry is still ahead of Postgres's `now()`.
     pub live: bool,
@@ -252,7 +254,7 @@ pub async fn token_usage(
 ) -> Result<TokenUsage, DurableError> {
     let row = sqlx::query(
         r#"
-        SELECT t.state = 'consumed' AS token_consumed, t.fingerprint AS token_fingerprint,
+        SELECT t.state = 'consumed' AS token_consumed, coalesce(t.fingerprint, e.fingerprint) AS token_fingerprint,
                coalesce(t.expires_at, $2) > now() AS token_live,
                e.order_id AS used_order, e.kind::text AS used_kind, e.request_id AS used_request_id,
                e.amount_minor AS used_amount
@@ -278,7 +280,7 @@ pub async fn lock(
         r#"
         SELECT o.order_id, o.client, o.subject, o.state, o.amount_minor, o.refunded_minor, o.currency,
                o.created_at, o.updated_at,
-               t.state = 'consumed' AS token_consumed, t.fingerprint AS token_fingerprint,
+               t.state = 'consumed' AS token_consumed, coalesce(t.fingerprint, e.fingerprint) AS token_fingerprint,
                coalesce(t.expires_at, $3) > now() AS token_live,
                e.order_id AS used_order, e.kind::text AS used_kind, e.request_id AS used_request_id,
                e.amount_minor AS used_amount
@@ -342,8 +344,9 @@ pub async fn write_event(
              WHERE order_id = $11 AND EXISTS (SELECT 1 FROM claim)
             RETURNING order_id
         ), ev AS (
-            INSERT INTO order_events (order_id, kind, token_id, token, amount_minor, request_id, reason)
-            SELECT $11, $14::order_event_kind, $1, $2, $15, $10, $16 FROM upd
+            INSERT INTO order_events (order_id, kind, token_id, token, amount_minor, request_id, reason,
+                                      fingerprint)
+            SELECT $11, $14::order_event_kind, $1, $2, $15, $10, $16, $9 FROM upd
             RETURNING at
         ), audit AS (
             INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, order_id, client, detail)
@@ -421,7 +424,7 @@ pub async fn lock_many(
         r#"
         SELECT k.i, o.order_id, o.client, o.subject, o.state, o.amount_minor, o.refunded_minor, o.currency,
                o.created_at, o.updated_at,
-               t.state = 'consumed' AS token_consumed, t.fingerprint AS token_fingerprint,
+               t.state = 'consumed' AS token_consumed, coalesce(t.fingerprint, e.fingerprint) AS token_fingerprint,
                coalesce(t.expires_at, k.exp) > now() AS token_live,
                e.order_id AS used_order, e.kind::text AS used_kind, e.request_id AS used_request_id,
                e.amount_minor AS used_amount
@@ -467,7 +470,7 @@ pub async fn token_usage_many(
     let expiries: Vec<DateTime<Utc>> = tokens.iter().map(|t| expiry(t)).collect();
     let rows = sqlx::query(
         r#"
-        SELECT k.i, t.state = 'consumed' AS token_consumed, t.fingerprint AS token_fingerprint,
+        SELECT k.i, t.state = 'consumed' AS token_consumed, coalesce(t.fingerprint, e.fingerprint) AS token_fingerprint,
                coalesce(t.expires_at, k.exp) > now() AS token_live,
                e.order_id AS used_order, e.kind::text AS used_kind, e.request_id AS used_request_id,
                e.amount_minor AS used_amount
@@ -568,8 +571,10 @@ pub async fn write_events(
              WHERE o.order_id = r.order_id
             RETURNING o.order_id
         ), ev AS (
-            INSERT INTO order_events (order_id, kind, token_id, token, amount_minor, request_id, reason)
-            SELECT r.order_id, r.kind::order_event_kind, r.id, r.token, r.amount_minor, r.request_id, r.reason
+            INSERT INTO order_events (order_id, kind, token_id, token, amount_minor, request_id, reason,
+                                      fingerprint)
+            SELECT r.order_id, r.kind::order_event_kind, r.id, r.token, r.amount_minor, r.request_id, r.reason,
+                   r.fingerprint
               FROM r JOIN upd ON upd.order_id = r.order_id
              ORDER BY r.order_id
             RETURNING token_id, at

@@ -94,7 +94,7 @@ fn is_day_name(name: &str) -> bool {
 pub enum Dropped {
     /// Dropped, with this many rows.
     Rows(i64),
-    /// Some row is still within retention or bound to an order: kept.
+    /// Some row is still within retention: kept.
     Kept,
     /// The lock on `tokens` was not granted in time: left for the next run.
     Busy,

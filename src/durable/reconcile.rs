@@ -187,16 +187,22 @@ pub struct OrderFacts {
     pub refund_events_sum: i64,
     pub paid_events: i64,
     pub closed_events: i64,
-    /// Events whose token has no consumed `tokens` row bound to this order.
+    /// Events whose token has no consumed `tokens` row bound to this order:
+    /// one whose row is there but not so, or gone while the event is within
+    /// retention (an event and its token's consume share one `now()`, and
+    /// the purge takes a consumed row only past retention). A row gone with
+    /// an older event is retention's doing, not a fault.
     pub unbacked_events: i64,
 }
 
-/// One keyset page of orders (`order_id > after`, updated since `since`).
+/// One keyset page of orders (`order_id > after`, updated since `since`);
+/// `retention_secs`: `tokens.retention` (see [`OrderFacts::unbacked_events`]).
 pub async fn orders_page(
     pool: &PgPool,
     after: &str,
     since: Option<DateTime<Utc>>,
     limit: i64,
+    retention_secs: f64,
 ) -> Result<Vec<OrderFacts>, DurableError> {
     let rows = sqlx::query(
         r#"
@@ -212,7 +218,9 @@ pub async fn orders_page(
                count(e.id) FILTER (WHERE e.kind = 'order.closed') AS closed_events,
                count(e.id) FILTER (WHERE e.token_id IS NOT NULL AND NOT EXISTS (
                    SELECT 1 FROM tokens t
-                    WHERE t.id = e.token_id AND t.state = 'consumed' AND t.order_id = o.order_id))
+                    WHERE t.id = e.token_id AND t.state = 'consumed' AND t.order_id = o.order_id)
+                   AND (e.at >= now() - make_interval(secs => $4)
+                        OR EXISTS (SELECT 1 FROM tokens t WHERE t.id = e.token_id)))
                    AS unbacked_events
           FROM o LEFT JOIN order_events e ON e.order_id = o.order_id
          GROUP BY o.order_id, o.state, o.refunded_minor
@@ -222,6 +230,7 @@ pub async fn orders_page(
     .bind(after)
     .bind(since)
     .bind(limit)
+    .bind(retention_secs)
     .fetch_all(pool)
     .await?;
     rows.iter()
@@ -253,7 +262,7 @@ pub enum PurgeKind {
 /// partition is dropped when all of its rows meet one of them.
 pub(super) const PURGE_CONSUMED: &str =
     "state = 'consumed' AND consumed_at < now() - make_interval(secs => $1)
-     AND expires_at < now() AND order_id IS NULL";
+     AND expires_at < now()";
 pub(super) const PURGE_ISSUED: &str =
     "state = 'issued' AND expires_at < now() - make_interval(secs => $1)";
 
@@ -291,8 +300,9 @@ pub async fn count_purgeable(
 /// Deletes one batch of purgeable records outside `kept` (`[lo, hi)`, see
 /// [`OUTSIDE_KEPT`]), each with its `reconcile.repaired` audit row, in one
 /// statement. Returns how many were deleted (0: done). Records bound to an
-/// order are kept: they are the order's proof of payment. `by` (who asked
-/// for the run) goes into each audit row's detail.
+/// order go too (V19): the order's record of payment is its `order_events`
+/// row and audit events, which stay. `by` (who asked for the run) goes into
+/// each audit row's detail.
 pub async fn purge_batch(
     pool: &PgPool,
     kind: PurgeKind,

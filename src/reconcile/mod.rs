@@ -22,10 +22,11 @@
 //!    a consume won meanwhile).
 //! 4. Keyset pages of orders: `order_inconsistent` (reported, never repaired).
 //! 5. `expired_purgeable`: records past `tokens.retention` (and past their
-//!    own expiry) go; they then answer `token_expired`. A day partition of
-//!    `tokens` past its bound whose rows have all gone past retention is
-//!    dropped whole; the rest (client keys, tokens from before migration
-//!    V16, `tokens_default`, a day partition holding an order's token) are
+//!    own expiry) go, order-bound ones too (the order keeps its events);
+//!    they then answer `token_expired`. A day partition of `tokens` past its
+//!    bound whose rows have all gone past retention is dropped whole; the
+//!    rest (client keys, tokens from before migration V16, `tokens_default`,
+//!    a day partition past its bound with a row still within retention) are
 //!    deleted in batches. The day partitions ahead are made first.
 //!
 //! Every repair writes a `reconcile.repaired` audit event whose detail names

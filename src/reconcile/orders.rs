@@ -14,8 +14,14 @@ impl Run<'_> {
             if self.cancel.is_cancelled() {
                 return Ok(());
             }
-            let page =
-                sql::orders_page(self.pool(), &after, self.since, self.r.batch as i64).await?;
+            let page = sql::orders_page(
+                self.pool(),
+                &after,
+                self.since,
+                self.r.batch as i64,
+                self.r.retention.as_secs_f64(),
+            )
+            .await?;
             let Some(last) = page.last() else {
                 return Ok(());
             };
@@ -60,7 +66,7 @@ fn order_problems(o: &sql::OrderFacts) -> Vec<String> {
     }
     if o.unbacked_events > 0 {
         p.push(format!(
-            "{} event(s) whose token has no consumed tokens row bound to this order",
+            "{} event(s) whose token has no consumed tokens row bound to this order (within retention)",
             o.unbacked_events
         ));
     }

@@ -1,8 +1,9 @@
 //! Retention by partition (migration V16, `durable::partitions`): a database
 //! migrated from V15 keeps every row, constraint and decision; ids land in
 //! the partition of their day, and `tokens_default` catches the rest;
-//! reconcile drops a day partition whose rows are all past retention and
-//! keeps one with a row still within it (or bound to an order).
+//! reconcile drops a day partition whose rows are all past retention (an
+//! order's token too: the order keeps its events) and keeps one with a row
+//! still within it.
 
 use chrono::{Duration, NaiveTime, Utc};
 use reqwest::StatusCode;
@@ -136,9 +137,16 @@ async fn a_database_migrated_to_day_partitions_keeps_every_row_and_decision() {
         .expect("V16 on a populated database");
     let pg = PgPool::connect(&stores.db_url()).await.expect("pool");
     assert_eq!(every_row(&pg).await, before, "every row, every column");
+    // V19 (after V16) replaces the purge's index.
+    let mut names_after: Vec<String> = names_before
+        .iter()
+        .map(|n| n.replace("tokens_purgeable_idx", "tokens_consumed_purge_idx"))
+        .collect();
+    names_after.sort();
+    let mut names_now = schema_names(&pg).await;
+    names_now.sort();
     assert_eq!(
-        schema_names(&pg).await,
-        names_before,
+        names_now, names_after,
         "the same constraints, indexes and triggers, by name"
     );
     let kind: String =
@@ -279,6 +287,26 @@ fn day_name(days: i64) -> String {
     format!("tokens_p{}", day.format("%Y%m%d"))
 }
 
+/// As if migrated 40 days ago (`tokens_base` ends then), with a partition
+/// of its own for each of `days` (relative to today, UTC).
+async fn migrated_40_days_ago_with(pg: &PgPool, days: &[i64]) {
+    sqlx::raw_sql(
+        "ALTER TABLE tokens DETACH PARTITION tokens_base;
+         ALTER TABLE tokens ATTACH PARTITION tokens_base FOR VALUES FROM (MINVALUE)
+             TO (tokens_day_first_id((now() AT TIME ZONE 'UTC')::date - 40));",
+    )
+    .execute(pg)
+    .await
+    .expect("tokens_base ends 40 days ago");
+    for day in days {
+        sqlx::query("SELECT tokens_add_day_partition((now() AT TIME ZONE 'UTC')::date + $1::int)")
+            .bind(i32::try_from(*day).expect("a day"))
+            .execute(pg)
+            .await
+            .expect("an old day partition");
+    }
+}
+
 /// A bare row: `state` issued or consumed, `consumed_at` and `expires_at` as
 /// intervals from now, bound to `order_id`.
 async fn insert_row(
@@ -339,19 +367,8 @@ async fn ids_land_in_the_partition_of_their_day_and_the_default_catches_the_rest
 async fn reconcile_drops_a_day_partition_past_retention_and_keeps_one_with_a_row_within_it() {
     let app = spawn_app().await;
     let pg = app.pg().await;
-    // As if migrated 40 days ago: tokens_base ends then, and three old days
-    // have partitions of their own.
-    sqlx::raw_sql(
-        "ALTER TABLE tokens DETACH PARTITION tokens_base;
-         ALTER TABLE tokens ATTACH PARTITION tokens_base FOR VALUES FROM (MINVALUE)
-             TO (tokens_day_first_id((now() AT TIME ZONE 'UTC')::date - 40));
-         SELECT tokens_add_day_partition((now() AT TIME ZONE 'UTC')::date - 35);
-         SELECT tokens_add_day_partition((now() AT TIME ZONE 'UTC')::date - 34);
-         SELECT tokens_add_day_partition((now() AT TIME ZONE 'UTC')::date - 33);",
-    )
-    .execute(&pg)
-    .await
-    .expect("old day partitions");
+    // Three old days have partitions of their own.
+    migrated_40_days_ago_with(&pg, &[-35, -34, -33]).await;
     let (d35, d34, d33) = (id_at_noon(-35), id_at_noon(-34), id_at_noon(-33));
     // Day -35: every row past retention (7 d): dropped whole.
     insert_row(&pg, d35, "consumed", Some("-30 days"), "-30 days", None).await;
@@ -360,7 +377,9 @@ async fn reconcile_drops_a_day_partition_past_retention_and_keeps_one_with_a_row
     // purgeable row deleted on its own.
     insert_row(&pg, d34, "consumed", Some("-30 days"), "-30 days", None).await;
     insert_row(&pg, d34 + 1, "consumed", Some("-1 day"), "-1 day", None).await;
-    // Day -33: a token bound to an order (kept: proof of payment) keeps it.
+    // Day -33: a token bound to an order, past retention like the rest:
+    // dropped whole (the order keeps its events; see
+    // a_paid_orders_token_goes_with_its_day_and_the_order_still_answers_a_repeat).
     insert_row(
         &pg,
         d33,
@@ -386,10 +405,10 @@ async fn reconcile_drops_a_day_partition_past_retention_and_keeps_one_with_a_row
 
     let report = reconcile(&app).await;
     assert_eq!(report["errors"], json!([]), "{report}");
-    assert_eq!(report["found"]["expired_purgeable"], json!(4), "{report}");
+    assert_eq!(report["found"]["expired_purgeable"], json!(5), "{report}");
     assert_eq!(
         report["repaired"]["expired_purgeable"],
-        json!(4),
+        json!(5),
         "{report}"
     );
     let exists = |name: String| {
@@ -404,17 +423,19 @@ async fn reconcile_drops_a_day_partition_past_retention_and_keeps_one_with_a_row
     };
     assert!(!exists(day_name(-35)).await, "day -35 dropped");
     assert!(exists(day_name(-34)).await, "day -34 kept");
-    assert!(exists(day_name(-33)).await, "day -33 kept");
+    assert!(!exists(day_name(-33)).await, "day -33 dropped");
     let left: Vec<i64> = sqlx::query_scalar("SELECT id FROM tokens WHERE id = ANY($1) ORDER BY id")
         .bind(vec![d35, d35 + 1, d34, d34 + 1, d33, d33 + 1, tomorrow])
         .fetch_all(&pg)
         .await
         .expect("rows left");
-    assert_eq!(left, [d34 + 1, d33, tomorrow]);
+    assert_eq!(left, [d34 + 1, tomorrow]);
     let audit: Value = sqlx::query_scalar(
         "SELECT detail FROM audit_events
-          WHERE kind = 'reconcile.repaired' AND detail->>'action' = 'partition_dropped'",
+          WHERE kind = 'reconcile.repaired' AND detail->>'action' = 'partition_dropped'
+            AND detail->>'partition' = $1",
     )
+    .bind(day_name(-35))
     .fetch_one(&pg)
     .await
     .expect("one audit row for the dropped partition");
@@ -425,5 +446,121 @@ async fn reconcile_drops_a_day_partition_past_retention_and_keeps_one_with_a_row
     // A second run finds nothing more.
     let report = reconcile(&app).await;
     assert_eq!(report["found"]["expired_purgeable"], json!(0), "{report}");
+    app.stop().await;
+}
+
+/// An order's token follows retention like every other token, so a day
+/// partition holding one is dropped whole once past its bound (before V19
+/// such a day was kept, and with orders in use nearly every day was). The
+/// order's record is its events: a repeat of the event is still answered
+/// from them (a duplicate, the winner's replay, 422 for another
+/// fingerprint, 409 on another order), and the consistency check does not
+/// count a token row gone with retention against its order, while a row
+/// missing within retention still is.
+#[tokio::test]
+async fn a_paid_orders_token_goes_with_its_day_and_the_order_still_answers_a_repeat() {
+    let app = spawn_app().await;
+    let pg = app.pg().await;
+    migrated_40_days_ago_with(&pg, &[-33]).await;
+    let exp = Utc::now().timestamp() + 3_600;
+    let (kept_id, lost_id) = (id_at_noon(-33), id_at_noon(-33) + 1);
+    let paid = sign(&app.stores, kept_id, exp, "alice");
+    let lost = sign(&app.stores, lost_id, exp, "alice");
+    for (order, token) in [("o-kept", &paid), ("o-lost", &lost)] {
+        let r = app
+            .post(
+                PAYMENTS,
+                "/v1/orders",
+                &json!({"order_id": order, "subject": "alice", "amount_minor": 1000, "currency": "CNY"}),
+            )
+            .await;
+        assert_eq!(r.status(), StatusCode::CREATED, "create {order}");
+        let r = app
+            .post(
+                PAYMENTS,
+                &format!("/v1/orders/{order}/pay"),
+                &json!({"token": token, "request_id": "pay-1", "fingerprint": "fp"}),
+            )
+            .await;
+        assert_eq!(r.status(), StatusCode::OK, "pay {order}");
+    }
+    assert_eq!(partition_of(&pg, kept_id).await, day_name(-33));
+    // o-kept: paid 30 days ago, its token long expired. o-lost: paid now,
+    // and its token's row lost by hand (no purge takes it within retention).
+    sqlx::raw_sql(&format!(
+        "UPDATE tokens SET consumed_at = now() - interval '30 days',
+                           expires_at = now() - interval '30 days' WHERE id = {kept_id};
+         UPDATE order_events SET at = now() - interval '30 days' WHERE order_id = 'o-kept';
+         DELETE FROM tokens WHERE id = {lost_id};"
+    ))
+    .execute(&pg)
+    .await
+    .expect("aged");
+
+    let report = reconcile(&app).await;
+    assert_eq!(report["errors"], json!([]), "{report}");
+    assert_eq!(
+        report["repaired"]["expired_purgeable"],
+        json!(1),
+        "{report}"
+    );
+    let day_left: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(day_name(-33))
+        .fetch_one(&pg)
+        .await
+        .expect("to_regclass");
+    assert!(
+        !day_left,
+        "the day of a paid order's token is dropped: {report}"
+    );
+    assert_eq!(report["found"]["order_inconsistent"], json!(1), "{report}");
+    let inconsistent = &report["inconsistent_orders"];
+    assert_eq!(inconsistent[0]["order_id"], json!("o-lost"), "{report}");
+
+    let repeat = |body: Value, order: &'static str| {
+        let app = &app;
+        async move {
+            let r = app
+                .post(PAYMENTS, &format!("/v1/orders/{order}/pay"), &body)
+                .await;
+            let status = r.status();
+            let replayed = r.headers().contains_key("idempotent-replayed");
+            (status, replayed, r.json::<Value>().await.expect("json"))
+        }
+    };
+    let (s, replayed, b) = repeat(json!({"token": paid}), "o-kept").await;
+    assert_eq!(
+        (s, replayed, b["outcome"].as_str()),
+        (StatusCode::OK, true, Some("duplicate")),
+        "{b}"
+    );
+    assert_eq!(b["order"]["state"], "PAID", "{b}");
+    let (s, _, b) = repeat(json!({"token": paid, "request_id": "pay-1"}), "o-kept").await;
+    assert_eq!(
+        (s, b["outcome"].as_str()),
+        (StatusCode::OK, Some("applied")),
+        "{b}"
+    );
+    let (s, _, b) = repeat(json!({"token": paid, "fingerprint": "other"}), "o-kept").await;
+    assert_eq!(
+        (s, b["error"].as_str()),
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("fingerprint_mismatch")
+        ),
+        "the event keeps its fingerprint: {b}"
+    );
+    let (s, _, b) = repeat(json!({"token": paid}), "o-lost").await;
+    assert_eq!(
+        (s, b["error"].as_str()),
+        (StatusCode::CONFLICT, Some("token_already_used")),
+        "{b}"
+    );
+    let events: i64 = sqlx::query_scalar("SELECT count(*) FROM order_events WHERE token_id = $1")
+        .bind(kept_id)
+        .fetch_one(&pg)
+        .await
+        .expect("events");
+    assert_eq!(events, 1, "one event per token");
     app.stop().await;
 }

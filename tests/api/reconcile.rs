@@ -183,7 +183,7 @@ async fn every_divergence_class_dry_run_then_repair_then_nothing() {
     let p1 = app.sign("order", 9_000_001, 1_000, "payments", "u-o");
     let p2 = app.sign("order", 9_000_002, 1_000, "payments", "u-o");
     let r1 = app.sign("refund", 9_000_003, 1_000, "payments", "u-o");
-    // Tokens bound to orders are kept past retention (proof of payment).
+    // Tokens bound to orders, consumed (with their events) within retention.
     for (id, t, order) in [
         (9_000_001, &p1, "o-amounts"),
         (9_000_002, &p2, "o-nopaid"),
@@ -194,8 +194,8 @@ async fn every_divergence_class_dry_run_then_repair_then_nothing() {
             id,
             t,
             "consumed",
-            "-29 days",
-            Some("-29 days"),
+            "-1 hour",
+            Some("-2 hours"),
             Some(order),
         )
         .await;
