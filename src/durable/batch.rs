@@ -282,7 +282,9 @@ pub async fn consume_batch(
     }
     // The single statement's upsert and audit row, per item; the rows come
     // back as the claims that won and, for the others, the row as the
-    // statement's snapshot saw it.
+    // statement's snapshot saw it: read by `tokens_row` (V20) for them only
+    // (the fence `OFFSET 0` keeps the call after the filter), so the plan
+    // holds no scan of the partitions of `tokens` to set up on every run.
     let rows = super::fetch_all(pool, || {
         sqlx::query(
             r#"
@@ -320,8 +322,9 @@ pub async fn consume_batch(
         UNION ALL
         SELECT t.id, false, t.state, t.consumed_at, t.fingerprint, t.request_id, t.result,
                t.order_id, t.expires_at, t.gen, t.uncertain_since
-          FROM r JOIN tokens t ON t.id = r.id
-         WHERE NOT EXISTS (SELECT 1 FROM claim c WHERE c.id = r.id)
+          FROM (SELECT r.id FROM r WHERE NOT EXISTS (SELECT 1 FROM claim c WHERE c.id = r.id)
+                 OFFSET 0) o
+         CROSS JOIN LATERAL tokens_row(o.id) t
         "#,
         )
         .bind(&ids)

@@ -119,10 +119,11 @@ async fn redis_killed_during_durable_load_keeps_exactly_once() {
     let mut conn = redis.conn().await;
     let key = app.token_key(&like);
     wait_redis_state(&conn, &key, "c", 10).await;
-    let (_, replayed, body) = consume(&app, &like, &json!({"subject": "fan"})).await;
+    let (status, replayed, body) = consume(&app, &like, &json!({"subject": "fan"})).await;
     assert_eq!(
         (body["outcome"].as_str(), replayed),
-        (Some("duplicate"), true)
+        (Some("duplicate"), true),
+        "{status} {body}"
     );
     let _: () = redis::cmd("PING")
         .query_async(&mut conn)
