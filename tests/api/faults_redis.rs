@@ -119,6 +119,18 @@ async fn redis_killed_during_durable_load_keeps_exactly_once() {
     let mut conn = redis.conn().await;
     let key = app.token_key(&like);
     wait_redis_state(&conn, &key, "c", 10).await;
+    // The marker is written back before the episode ends; Redis decides
+    // here again once the fleet is normal on its dataset (until then a fast
+    // consume may answer 503 and a retry).
+    let http = bounded_client();
+    eventually(10, || {
+        let (http, base) = (http.clone(), app.address.clone());
+        async move {
+            let (_, body) = readyz(&http, &base).await?;
+            (body["fleet"]["redis_decides_here"] == true).then_some(())
+        }
+    })
+    .await;
     let (status, replayed, body) = consume(&app, &like, &json!({"subject": "fan"})).await;
     assert_eq!(
         (body["outcome"].as_str(), replayed),
