@@ -23,6 +23,11 @@ mod embedded {
 
 /// `stores`' database created and migrated up to V15 (before partitions).
 async fn database_at_v15(stores: &Stores) {
+    database_at(stores, 15).await;
+}
+
+/// `stores`' database created and migrated up to `version`.
+async fn database_at(stores: &Stores, version: u32) {
     let url = stores.db_url();
     idempotency_ledger::durable::setup::create_database_if_missing(&url)
         .await
@@ -32,10 +37,10 @@ async fn database_at_v15(stores: &Stores) {
         .expect("connect");
     let task = tokio::spawn(conn);
     embedded::migrations::runner()
-        .set_target(refinery::Target::Version(15))
+        .set_target(refinery::Target::Version(version))
         .run_async(&mut client)
         .await
-        .expect("V1..V15");
+        .expect("V1..");
     drop(client);
     let _ = task.await;
 }
@@ -562,5 +567,80 @@ async fn a_paid_orders_token_goes_with_its_day_and_the_order_still_answers_a_rep
         .await
         .expect("events");
     assert_eq!(events, 1, "one event per token");
+    app.stop().await;
+}
+
+/// An order event written before V19 (no fingerprint of its own) gets its
+/// token's at the upgrade (V21), so that once retention takes the token's
+/// row a repeat with another fingerprint is still 422.
+#[tokio::test]
+async fn an_order_event_from_before_the_upgrade_keeps_its_fingerprint_past_its_tokens_row() {
+    let stores = Stores::fresh();
+    database_at(&stores, 18).await;
+    let pg = PgPool::connect(&stores.db_url()).await.expect("pool");
+    // Paid 30 days ago, as a repeat past retention finds it: issued, paid
+    // and expired long ago (older than the issued-token filter's horizon).
+    let id = id_at_noon(-30);
+    let paid = sign(&stores, id, Utc::now().timestamp() - 29 * 86_400, "alice");
+    sqlx::raw_sql(&format!(
+        "INSERT INTO tokens (id, token, biz_type, durability, subject, client, issued_at, expires_at,
+                             state, gen, consumed_at, fingerprint, request_id, order_id)
+         VALUES ({id}, '{paid}', 'order', 'durable', 'alice', '{PAYMENTS_CLIENT}',
+                 now() - interval '30 days', now() - interval '29 days', 'consumed', 1,
+                 now() - interval '30 days', 'fp', 'pay-1', 'o-old');
+         INSERT INTO orders (order_id, client, subject, state, amount_minor, currency)
+         VALUES ('o-old', '{PAYMENTS_CLIENT}', 'alice', 'PAID', 1000, 'CNY');
+         INSERT INTO order_events (order_id, kind, token_id, token, amount_minor, request_id)
+         VALUES ('o-old', 'order.created', NULL, NULL, 1000, NULL),
+                ('o-old', 'order.paid', {id}, '{paid}', 1000, 'pay-1');"
+    ))
+    .execute(&pg)
+    .await
+    .expect("an order paid before V19");
+    pg.close().await;
+
+    idempotency_ledger::durable::setup::migrate(&stores.db_url())
+        .await
+        .expect("V19..");
+    let pg = PgPool::connect(&stores.db_url()).await.expect("pool");
+    let fingerprint: Option<String> =
+        sqlx::query_scalar("SELECT fingerprint FROM order_events WHERE token_id = $1")
+            .bind(id)
+            .fetch_one(&pg)
+            .await
+            .expect("event");
+    assert_eq!(fingerprint.as_deref(), Some("fp"));
+    // Retention takes the token's row: the event still answers.
+    sqlx::query("DELETE FROM tokens WHERE id = $1")
+        .bind(id)
+        .execute(&pg)
+        .await
+        .expect("purged");
+    let app = spawn_app_on(stores).await;
+    let r = app
+        .post(
+            PAYMENTS,
+            "/v1/orders/o-old/pay",
+            &json!({"token": paid, "fingerprint": "other"}),
+        )
+        .await;
+    let status = r.status();
+    let body: Value = r.json().await.expect("json");
+    assert_eq!(
+        (status, body["error"].as_str()),
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("fingerprint_mismatch")
+        ),
+        "{body}"
+    );
+    let r = app
+        .post(
+            PAYMENTS,
+            "/v1/orders/o-old/pay",
+            &json!({"token": paid, "fingerprint": "fp", "request_id": "pay-1"}),
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
     app.stop().await;
 }
