@@ -140,19 +140,19 @@ pub async fn apply(pool: &PgPool, batch: &[Entry]) -> Result<u64, DurableError> 
         ), newest AS (
             SELECT DISTINCT ON (id) * FROM e
              ORDER BY id, gen DESC, (result IS NOT NULL) DESC, ord
+        ), subjects AS (
+            -- A client key's result and release entries do not know its
+            -- subject (''): its consume entries do.
+            SELECT id, max(subject) AS subject FROM e WHERE subject <> '' GROUP BY id
         ), up AS (
             INSERT INTO tokens AS t (id, token, biz_type, durability, subject, client, issued_at,
                                      expires_at, state, gen, consumed_at, fingerprint, request_id,
                                      result, result_at, key)
-            SELECT id, token, biz_type, 'fast',
-                   -- A client key's result and release entries do not know
-                   -- its subject (''): its consume entries do.
-                   coalesce((SELECT max(o.subject) FROM e o WHERE o.id = newest.id AND o.subject <> ''),
-                            subject),
-                   client, issued_at, expires_at,
-                   state::token_state, gen, consumed_at, fingerprint, request_id, result::jsonb,
-                   result_at, key
-              FROM newest
+            SELECT n.id, n.token, n.biz_type, 'fast', coalesce(s.subject, n.subject),
+                   n.client, n.issued_at, n.expires_at,
+                   n.state::token_state, n.gen, n.consumed_at, n.fingerprint, n.request_id,
+                   n.result::jsonb, n.result_at, n.key
+              FROM newest n LEFT JOIN subjects s ON s.id = n.id
             ON CONFLICT (id) DO UPDATE
                SET state = EXCLUDED.state, gen = EXCLUDED.gen, consumed_at = EXCLUDED.consumed_at,
                    subject = CASE WHEN t.subject = '' THEN EXCLUDED.subject ELSE t.subject END,
@@ -175,14 +175,16 @@ pub async fn apply(pool: &PgPool, batch: &[Entry]) -> Result<u64, DurableError> 
                    || COALESCE(e.detail::jsonb, '{}'::jsonb)
               FROM e
              WHERE e.id IN (SELECT id FROM up)
-                OR EXISTS (SELECT 1 FROM tokens t WHERE t.id = e.id AND t.durability = 'fast')
+                OR EXISTS (SELECT 1 FROM tokens_row(e.id) t WHERE t.durability = 'fast')
             ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
         ), conflict AS (
             -- A consume of the generation Postgres already holds consumed by
             -- another decision (another consumed_at or request_id): two
             -- deciders both answered `consumed`. Kept as evidence, never
             -- dropped (once per token and generation, so a retried entry
-            -- adds nothing).
+            -- adds nothing). The rows are read for the other consumes only,
+            -- one by one by id (`tokens_row`, V20): joined with `tokens`,
+            -- the cached plan could scan every consumed row once per entry.
             INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, client, gen, detail)
             SELECT e.at, 'token.conflict', e.id, CASE WHEN e.key IS NULL THEN e.token END,
                    nullif(e.subject, ''), e.biz_type, e.client, e.gen,
@@ -191,9 +193,15 @@ pub async fn apply(pool: &PgPool, batch: &[Entry]) -> Result<u64, DurableError> 
                        'fingerprint', e.fingerprint,
                        'kept_request_id', t.request_id, 'kept_consumed_at', t.consumed_at))
                    || CASE WHEN e.key IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('key', e.key) END
-              FROM e JOIN tokens t ON t.id = e.id
-             WHERE e.kind IN ('token.consumed', 'key.consumed')
-               AND e.state = 'consumed' AND t.state = 'consumed' AND t.gen = e.gen
+              FROM e CROSS JOIN LATERAL tokens_row(e.id) t
+             WHERE e.kind IN ('token.consumed', 'key.consumed') AND e.state = 'consumed'
+               -- Not an entry that moved its row itself without a result:
+               -- it met an older generation or no row, so it is no second
+               -- decider of the generation it met. (Under NOT, each IN is
+               -- a hashed lookup, never a join planned on guessed sizes.)
+               AND NOT (e.result IS NULL AND e.id IN (SELECT id FROM up)
+                        AND (e.id, e.ord) IN (SELECT id, ord FROM newest))
+               AND t.state = 'consumed' AND t.gen = e.gen
                AND (t.consumed_at, t.request_id) IS DISTINCT FROM (e.consumed_at, e.request_id)
             ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
             RETURNING id

@@ -22,6 +22,7 @@ use idempotency_ledger::durable::batch::{consume_batch, finish_batch, ConsumeIte
 use idempotency_ledger::durable::hot_connect_options;
 use idempotency_ledger::durable::key_batch::{consume_key_batch, KeyItem};
 use idempotency_ledger::durable::tokens::{self, ConsumeRow, TokenRecord};
+use idempotency_ledger::fast::JournalEntry;
 use idempotency_ledger::journal::apply_entries;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
@@ -134,6 +135,21 @@ fn record(i: i64) -> TokenRecord {
         expires_at: now + Duration::hours(1),
         key: None,
     }
+}
+
+/// Journal entries of consumes (request `rid`, at `at_ms`) of ten fast
+/// `like` tokens after the rows before (entry ids `<tag>-1` to `<tag>-10`).
+fn fast_consumes(tag: &str, rid: &str, at_ms: i64) -> Vec<JournalEntry> {
+    (1..=10)
+        .map(|i| {
+            let rec = TokenRecord {
+                durability: Durability::Fast,
+                biz_type: "like".into(),
+                ..record(i)
+            };
+            journal_entries::consume_entry(&format!("{tag}-{i}"), &rec, rid, at_ms)
+        })
+        .collect()
 }
 
 /// Issues and consumes `rec` (request `r-first`), on another connection.
@@ -312,16 +328,7 @@ async fn a_result_and_release_batch_reads_only_its_own_tokens_on_the_hot_pool() 
 async fn a_journal_batch_reads_only_its_own_tokens_on_the_hot_pool() {
     let (url, hot) = database_with_rows_before().await;
     let at = Utc::now().timestamp_millis();
-    let entries: Vec<_> = (1..=10)
-        .map(|i| {
-            let rec = TokenRecord {
-                durability: Durability::Fast,
-                biz_type: "like".into(),
-                ..record(i)
-            };
-            journal_entries::consume_entry(&format!("plan-{i}"), &rec, "r-journal", at)
-        })
-        .collect();
+    let entries = fast_consumes("plan", "r-journal", at);
     // Once to write the rows, then again: every entry meets its row.
     apply_entries(&PgPool::connect(&url).await.expect("pool"), &entries)
         .await
@@ -478,4 +485,69 @@ async fn a_consume_batch_whose_items_all_win_touches_no_other_partition() {
         assert_eq!(won, 10, "run {run}: {answers:?}");
     }
     held.rollback().await.expect("rollback");
+}
+
+/// The journal's apply looks up, for its consume entries, the row each met
+/// (a second decider's consume of the same generation is kept as
+/// `token.conflict`). The statement's plan is cached (generic) on its
+/// connection; planned while the statistics said no row was consumed, it
+/// scanned every consumed row of `tokens` once per entry, found by running
+/// `scripts/profile` (the drain's batches of 500 took 91 ms, then 650 ms
+/// seven seconds later: Postgres spent 735 µs per fast consume). Here the
+/// rows before are 20,000 consumed fast tokens the statistics still take
+/// for issued (analyzed before their consumes, autovacuum off), and the
+/// plan is generic from the first execution.
+#[tokio::test]
+async fn a_journal_batch_reads_only_its_own_tokens_when_the_statistics_predate_the_consumes() {
+    let (url, hot) = database_with_rows_before().await;
+    let pg = PgPool::connect(&url).await.expect("pool");
+    sqlx::query(
+        "DO $$ DECLARE p regclass; BEGIN
+           FOR p IN SELECT inhrelid::regclass FROM pg_inherits WHERE inhparent = 'tokens'::regclass LOOP
+             EXECUTE format('ALTER TABLE %s SET (autovacuum_enabled = false)', p);
+           END LOOP;
+         END $$",
+    )
+    .execute(&pg)
+    .await
+    .expect("autovacuum off");
+    sqlx::query(
+        "UPDATE tokens SET durability = 'fast', biz_type = 'like', state = 'consumed', gen = 1,
+                           consumed_at = now(), request_id = 'r-fill'
+          WHERE id <= $1",
+    )
+    .bind(BEFORE)
+    .execute(&pg)
+    .await
+    .expect("fill consumed");
+    let at = Utc::now().timestamp_millis();
+    let entries = fast_consumes("stale", "r-journal", at);
+    apply_entries(&pg, &entries).await.expect("first apply");
+    pg.close().await;
+
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(hot.options([("plan_cache_mode", "force_generic_plan")]))
+        .await
+        .expect("pool");
+    let before = tokens_read(&pool).await;
+    // A repeat (every entry meets its row, consumed at its generation),
+    // then a second decider's consume of each: both are looked up.
+    apply_entries(&pool, &entries).await.expect("repeat");
+    let second = fast_consumes("other", "r-other", at + 1);
+    apply_entries(&pool, &second).await.expect("second decider");
+    let read = tokens_read(&pool).await - before;
+
+    let conflicts: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM audit_events WHERE kind = 'token.conflict' AND token_id > $1",
+    )
+    .bind(BEFORE)
+    .fetch_one(&pool)
+    .await
+    .expect("conflicts");
+    assert_eq!(conflicts, 10, "each second decider's consume kept once");
+    assert!(
+        read < BOUND,
+        "{read} index entries and rows of tokens read for 20 journal entries"
+    );
 }
