@@ -656,13 +656,20 @@ pub async fn finish_batch(
             SELECT * FROM UNNEST($1::bigint[], $2::bool[], $3::text[], $4::text[], $5::text[])
                        AS r(id, rel, result, detail, of_request)
         ), lk AS (
-            SELECT t.id FROM tokens t WHERE t.id = ANY($1) ORDER BY t.id FOR UPDATE
+            SELECT t.id, t.state, t.result IS NULL AS no_result, t.order_id IS NULL AS no_order,
+                   t.request_id
+              FROM tokens t WHERE t.id = ANY($1) ORDER BY t.id FOR UPDATE
         ), upd AS (
+            -- The conditions are the locked rows' (`lk`: each row's newest
+            -- version, locked by this statement, so the same in the update).
+            -- On `t` itself only its id: a condition on its state would let
+            -- a cached plan, made on statistics that saw few consumed rows,
+            -- find the batch's rows through an index of every consumed row.
             UPDATE tokens t SET result = r.result::jsonb, result_at = now()
-              FROM r
-             WHERE NOT r.rel AND t.id = r.id AND t.id IN (SELECT id FROM lk)
-               AND t.state = 'consumed' AND t.result IS NULL
-               AND (r.of_request IS NULL OR t.request_id = r.of_request)
+              FROM r JOIN lk ON lk.id = r.id
+             WHERE NOT r.rel AND t.id = r.id
+               AND lk.state = 'consumed' AND lk.no_result
+               AND (r.of_request IS NULL OR lk.request_id = r.of_request)
             RETURNING t.id, t.token, t.key, t.subject, t.biz_type, t.client, t.state, t.consumed_at,
                       t.fingerprint, t.request_id, t.result, t.order_id, t.expires_at, t.gen,
                       t.result_at, r.detail::jsonb AS detail
@@ -672,10 +679,10 @@ pub async fn finish_batch(
                    request_id = NULL,
                    -- A key dates its release here (see V6).
                    expires_at = CASE WHEN t.key IS NULL THEN t.expires_at ELSE now() END
-              FROM r
-             WHERE r.rel AND t.id = r.id AND t.id IN (SELECT id FROM lk)
-               AND t.state = 'consumed' AND t.result IS NULL AND t.order_id IS NULL
-               AND (r.of_request IS NULL OR t.request_id = r.of_request)
+              FROM r JOIN lk ON lk.id = r.id
+             WHERE r.rel AND t.id = r.id
+               AND lk.state = 'consumed' AND lk.no_result AND lk.no_order
+               AND (r.of_request IS NULL OR lk.request_id = r.of_request)
             RETURNING t.id, t.token, t.key, t.subject, t.biz_type, t.client, t.expires_at, t.gen,
                       r.detail::jsonb AS detail
         ), audit_result AS (
