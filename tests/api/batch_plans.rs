@@ -137,6 +137,44 @@ fn record(i: i64) -> TokenRecord {
     }
 }
 
+/// A result for every other one of `records` (consumed by `r-first`), a
+/// release for the rest.
+fn results_and_releases(records: &[TokenRecord]) -> Vec<FinishItem> {
+    records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            if i % 2 == 0 {
+                FinishItem::Result {
+                    id: r.id,
+                    result: serde_json::json!({"payment_id": r.id}),
+                    detail: None,
+                    of_request: Some("r-first".into()),
+                }
+            } else {
+                FinishItem::Release {
+                    id: r.id,
+                    detail: None,
+                    of_request: Some("r-first".into()),
+                }
+            }
+        })
+        .collect()
+}
+
+/// How many tokens after the rows before have a result, and how many are
+/// issued again.
+async fn results_and_releases_made(pool: &PgPool) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE result IS NOT NULL), count(*) FILTER (WHERE state = 'issued')
+           FROM tokens WHERE id > $1",
+    )
+    .bind(BEFORE)
+    .fetch_one(pool)
+    .await
+    .expect("rows")
+}
+
 /// Journal entries of consumes (request `rid`, at `at_ms`) of ten fast
 /// `like` tokens after the rows before (entry ids `<tag>-1` to `<tag>-10`).
 fn fast_consumes(tag: &str, rid: &str, at_ms: i64) -> Vec<JournalEntry> {
@@ -279,26 +317,7 @@ async fn a_result_and_release_batch_reads_only_its_own_tokens_on_the_hot_pool() 
     for rec in &records {
         consumed(&url, rec).await;
     }
-    let items: Vec<FinishItem> = records
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            if i % 2 == 0 {
-                FinishItem::Result {
-                    id: r.id,
-                    result: serde_json::json!({"payment_id": r.id}),
-                    detail: None,
-                    of_request: Some("r-first".into()),
-                }
-            } else {
-                FinishItem::Release {
-                    id: r.id,
-                    detail: None,
-                    of_request: Some("r-first".into()),
-                }
-            }
-        })
-        .collect();
+    let items = results_and_releases(&records);
     let refs: Vec<&FinishItem> = items.iter().collect();
 
     let pool = would_merge_join(hot).await;
@@ -307,15 +326,7 @@ async fn a_result_and_release_batch_reads_only_its_own_tokens_on_the_hot_pool() 
     let read = tokens_read(&pool).await - before;
 
     assert!(answers.iter().all(Result::is_ok), "{answers:?}");
-    let (results, releases): (i64, i64) = sqlx::query_as(
-        "SELECT count(*) FILTER (WHERE result IS NOT NULL), count(*) FILTER (WHERE state = 'issued')
-           FROM tokens WHERE id > $1",
-    )
-    .bind(BEFORE)
-    .fetch_one(&pool)
-    .await
-    .expect("rows");
-    assert_eq!((results, releases), (5, 5));
+    assert_eq!(results_and_releases_made(&pool).await, (5, 5));
     assert!(
         read < BOUND,
         "{read} index entries and rows of tokens read for a batch of 10"
@@ -584,26 +595,7 @@ async fn a_result_and_release_batch_reads_only_its_own_tokens_when_the_statistic
     for rec in &records {
         consumed(&url, rec).await;
     }
-    let items: Vec<FinishItem> = records
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            if i % 2 == 0 {
-                FinishItem::Result {
-                    id: r.id,
-                    result: serde_json::json!({"payment_id": r.id}),
-                    detail: None,
-                    of_request: Some("r-first".into()),
-                }
-            } else {
-                FinishItem::Release {
-                    id: r.id,
-                    detail: None,
-                    of_request: Some("r-first".into()),
-                }
-            }
-        })
-        .collect();
+    let items = results_and_releases(&records);
     let refs: Vec<&FinishItem> = items.iter().collect();
 
     let pool = generic_plans(hot).await;
@@ -612,15 +604,7 @@ async fn a_result_and_release_batch_reads_only_its_own_tokens_when_the_statistic
     let read = tokens_read(&pool).await - before;
 
     assert!(answers.iter().all(Result::is_ok), "{answers:?}");
-    let (results, releases): (i64, i64) = sqlx::query_as(
-        "SELECT count(*) FILTER (WHERE result IS NOT NULL), count(*) FILTER (WHERE state = 'issued')
-           FROM tokens WHERE id > $1",
-    )
-    .bind(BEFORE)
-    .fetch_one(&pool)
-    .await
-    .expect("rows");
-    assert_eq!((results, releases), (5, 5));
+    assert_eq!(results_and_releases_made(&pool).await, (5, 5));
     assert!(
         read < BOUND,
         "{read} index entries and rows of tokens read for a batch of 10"
