@@ -333,12 +333,21 @@ pub(crate) fn set_result_statement<'q>(
 ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
     sqlx::query(
         r#"
-        WITH upd AS (
-            UPDATE tokens SET result = $2, result_at = now()
-             WHERE id = $1 AND state = 'consumed' AND result IS NULL
-               AND ($4::text IS NULL OR request_id = $4)
-            RETURNING id, token, key, subject, biz_type, client, state, consumed_at, fingerprint,
-                      request_id, result, order_id, expires_at, gen, result_at
+        WITH lk AS (
+            -- The conditions are the locked row's (its newest version, as
+            -- the update's): named on the update itself, the row's state
+            -- let a cached plan made on statistics that saw few consumed
+            -- rows look the id up through the index of every consumed row.
+            SELECT id, state, result IS NULL AS no_result, request_id
+              FROM tokens WHERE id = $1 FOR UPDATE
+        ), upd AS (
+            UPDATE tokens t SET result = $2, result_at = now()
+              FROM lk
+             WHERE t.id = lk.id AND lk.state = 'consumed' AND lk.no_result
+               AND ($4::text IS NULL OR lk.request_id = $4)
+            RETURNING t.id, t.token, t.key, t.subject, t.biz_type, t.client, t.state, t.consumed_at,
+                      t.fingerprint, t.request_id, t.result, t.order_id, t.expires_at, t.gen,
+                      t.result_at
         ), audit AS (
             INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, client, gen, detail)
             SELECT u.result_at, CASE WHEN u.key IS NULL THEN 'token.result' ELSE 'key.result' END::audit_kind,
@@ -386,15 +395,20 @@ pub async fn release_with(
     let row = super::fetch_optional(pool, || {
         sqlx::query(
             r#"
-        WITH rel AS (
-            UPDATE tokens
-               SET state = 'issued', gen = gen + 1, consumed_at = NULL, fingerprint = NULL,
+        WITH lk AS (
+            -- The conditions are the locked row's (see `set_result_versioned`).
+            SELECT id, state, result IS NULL AS no_result, order_id IS NULL AS no_order, request_id
+              FROM tokens WHERE id = $1 FOR UPDATE
+        ), rel AS (
+            UPDATE tokens t
+               SET state = 'issued', gen = t.gen + 1, consumed_at = NULL, fingerprint = NULL,
                    request_id = NULL,
                    -- A key dates its release here (see V6).
-                   expires_at = CASE WHEN key IS NULL THEN expires_at ELSE now() END
-             WHERE id = $1 AND state = 'consumed' AND result IS NULL AND order_id IS NULL
-               AND ($3::text IS NULL OR request_id = $3)
-            RETURNING id, token, key, subject, biz_type, client, expires_at, gen
+                   expires_at = CASE WHEN t.key IS NULL THEN t.expires_at ELSE now() END
+              FROM lk
+             WHERE t.id = lk.id AND lk.state = 'consumed' AND lk.no_result AND lk.no_order
+               AND ($3::text IS NULL OR lk.request_id = $3)
+            RETURNING t.id, t.token, t.key, t.subject, t.biz_type, t.client, t.expires_at, t.gen
         ), audit AS (
             INSERT INTO audit_events (kind, token_id, token, subject, biz_type, client, gen, detail)
             SELECT CASE WHEN r.key IS NULL THEN 'token.released' ELSE 'key.released' END::audit_kind,

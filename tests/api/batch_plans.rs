@@ -610,3 +610,41 @@ async fn a_result_and_release_batch_reads_only_its_own_tokens_when_the_statistic
         "{read} index entries and rows of tokens read for a batch of 10"
     );
 }
+
+/// A result or release that runs alone (the queue was idle, as under light
+/// load) is one statement on one id, and it named the row's state too: the
+/// same cached plan found that id through the index of every consumed row.
+#[tokio::test]
+async fn a_lone_result_and_release_read_only_their_own_tokens_when_the_statistics_predate_the_consumes(
+) {
+    let (url, hot) = database_with_rows_before().await;
+    let pg = PgPool::connect(&url).await.expect("pool");
+    consumed_behind_the_statistics(&pg, "durable", "order").await;
+    pg.close().await;
+    let records: Vec<TokenRecord> = (1..=10).map(record).collect();
+    for rec in &records {
+        consumed(&url, rec).await;
+    }
+
+    let pool = generic_plans(hot).await;
+    let before = tokens_read(&pool).await;
+    for (i, r) in records.iter().enumerate() {
+        if i % 2 == 0 {
+            let result = serde_json::json!({"payment_id": r.id});
+            tokens::set_result_versioned(&pool, r.id, &result, None, Some("r-first"))
+                .await
+                .expect("result");
+        } else {
+            tokens::release_with(&pool, r.id, None, Some("r-first"))
+                .await
+                .expect("release");
+        }
+    }
+    let read = tokens_read(&pool).await - before;
+
+    assert_eq!(results_and_releases_made(&pool).await, (5, 5));
+    assert!(
+        read < BOUND,
+        "{read} index entries and rows of tokens read for 10 lone results and releases"
+    );
+}
