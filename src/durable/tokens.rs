@@ -338,12 +338,16 @@ pub(crate) fn set_result_statement<'q>(
             -- the update's): named on the update itself, the row's state
             -- let a cached plan made on statistics that saw few consumed
             -- rows look the id up through the index of every consumed row.
+            -- The update names `$1` itself too, so that it is pruned to the
+            -- id's partition before it runs (joined on `lk.id` alone, it
+            -- set up an update of every partition: a third fewer lone
+            -- results a second in pgbench).
             SELECT id, state, result IS NULL AS no_result, request_id
               FROM tokens WHERE id = $1 FOR UPDATE
         ), upd AS (
             UPDATE tokens t SET result = $2, result_at = now()
               FROM lk
-             WHERE t.id = lk.id AND lk.state = 'consumed' AND lk.no_result
+             WHERE t.id = $1 AND t.id = lk.id AND lk.state = 'consumed' AND lk.no_result
                AND ($4::text IS NULL OR lk.request_id = $4)
             RETURNING t.id, t.token, t.key, t.subject, t.biz_type, t.client, t.state, t.consumed_at,
                       t.fingerprint, t.request_id, t.result, t.order_id, t.expires_at, t.gen,
@@ -406,8 +410,8 @@ pub async fn release_with(
                    -- A key dates its release here (see V6).
                    expires_at = CASE WHEN t.key IS NULL THEN t.expires_at ELSE now() END
               FROM lk
-             WHERE t.id = lk.id AND lk.state = 'consumed' AND lk.no_result AND lk.no_order
-               AND ($3::text IS NULL OR lk.request_id = $3)
+             WHERE t.id = $1 AND t.id = lk.id AND lk.state = 'consumed' AND lk.no_result
+               AND lk.no_order AND ($3::text IS NULL OR lk.request_id = $3)
             RETURNING t.id, t.token, t.key, t.subject, t.biz_type, t.client, t.expires_at, t.gen
         ), audit AS (
             INSERT INTO audit_events (kind, token_id, token, subject, biz_type, client, gen, detail)
