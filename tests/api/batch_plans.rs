@@ -162,6 +162,24 @@ fn results_and_releases(records: &[TokenRecord]) -> Vec<FinishItem> {
         .collect()
 }
 
+/// Ten tokens after the rows before, consumed by `r-first`, then a result
+/// for every other one and a release for the rest in one batch on `pool`,
+/// checked: what the batch read of `tokens`.
+async fn finish_batch_read(url: &str, pool: &PgPool) -> i64 {
+    let records: Vec<TokenRecord> = (1..=10).map(record).collect();
+    for rec in &records {
+        consumed(url, rec).await;
+    }
+    let items = results_and_releases(&records);
+    let refs: Vec<&FinishItem> = items.iter().collect();
+    let before = tokens_read(pool).await;
+    let answers = finish_batch(pool, &refs).await.expect("batch");
+    let read = tokens_read(pool).await - before;
+    assert!(answers.iter().all(Result::is_ok), "{answers:?}");
+    assert_eq!(results_and_releases_made(pool).await, (5, 5));
+    read
+}
+
 /// How many tokens after the rows before have a result, and how many are
 /// issued again.
 async fn results_and_releases_made(pool: &PgPool) -> (i64, i64) {
@@ -313,20 +331,8 @@ async fn a_key_batch_reads_only_its_own_keys_on_the_hot_pool() {
 #[tokio::test]
 async fn a_result_and_release_batch_reads_only_its_own_tokens_on_the_hot_pool() {
     let (url, hot) = database_with_rows_before().await;
-    let records: Vec<TokenRecord> = (1..=10).map(record).collect();
-    for rec in &records {
-        consumed(&url, rec).await;
-    }
-    let items = results_and_releases(&records);
-    let refs: Vec<&FinishItem> = items.iter().collect();
-
     let pool = would_merge_join(hot).await;
-    let before = tokens_read(&pool).await;
-    let answers = finish_batch(&pool, &refs).await.expect("batch");
-    let read = tokens_read(&pool).await - before;
-
-    assert!(answers.iter().all(Result::is_ok), "{answers:?}");
-    assert_eq!(results_and_releases_made(&pool).await, (5, 5));
+    let read = finish_batch_read(&url, &pool).await;
     assert!(
         read < BOUND,
         "{read} index entries and rows of tokens read for a batch of 10"
@@ -591,20 +597,8 @@ async fn a_result_and_release_batch_reads_only_its_own_tokens_when_the_statistic
     let pg = PgPool::connect(&url).await.expect("pool");
     consumed_behind_the_statistics(&pg, "durable", "order").await;
     pg.close().await;
-    let records: Vec<TokenRecord> = (1..=10).map(record).collect();
-    for rec in &records {
-        consumed(&url, rec).await;
-    }
-    let items = results_and_releases(&records);
-    let refs: Vec<&FinishItem> = items.iter().collect();
-
     let pool = generic_plans(hot).await;
-    let before = tokens_read(&pool).await;
-    let answers = finish_batch(&pool, &refs).await.expect("batch");
-    let read = tokens_read(&pool).await - before;
-
-    assert!(answers.iter().all(Result::is_ok), "{answers:?}");
-    assert_eq!(results_and_releases_made(&pool).await, (5, 5));
+    let read = finish_batch_read(&url, &pool).await;
     assert!(
         read < BOUND,
         "{read} index entries and rows of tokens read for a batch of 10"
