@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::conn::{Lane, Redirect};
+use super::conn::{Lane, Picked, Redirect};
 use super::{Conn, FastError, FastTier};
 use crate::fast::breaker::Failure;
 
@@ -52,6 +52,8 @@ struct Sent<T> {
     lane: Lane,
     took: Duration,
     out: Option<Result<T, redis::RedisError>>,
+    /// The connection it went out on.
+    on: Picked,
 }
 
 /// Whether an error means the connection (not the command) failed: those
@@ -119,16 +121,17 @@ impl FastTier {
         F: Fn(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
     {
-        let sent = self.send(lane, op, &f).await?;
+        let sent = self.send(lane, op, &f, None).await?;
         self.judge(sent)
     }
 
     /// [`FastTier::call`] for a call that is idempotent per attempt: when the
     /// connection dropped under it (the socket closed before its reply), it
-    /// is sent once more, on the next connection. Safe only because sending
-    /// it twice answers what sending it once would have, in either order
-    /// (see `consume.lua`); a timeout is never resent (the first may still
-    /// be on its way).
+    /// is sent once more, on a connection made after the drop
+    /// ([`FastTier::renew`]). Safe only because sending it twice answers
+    /// what sending it once would have, in either order (see
+    /// `consume.lua`); a timeout is never resent (the first may still be on
+    /// its way).
     pub(super) async fn call_idempotent<T, F, Fut>(
         &self,
         lane: Lane,
@@ -139,26 +142,29 @@ impl FastTier {
         F: Fn(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
     {
-        let sent = self.send(lane, op, &f).await?;
-        match &sent.out {
+        let sent = self.send(lane, op, &f, None).await?;
+        match sent.out {
             Some(Err(e)) if e.is_connection_dropped() => {
                 self.count_error(lane);
                 tracing::debug!(error = %e, op, "redis connection dropped under the call: sent again");
-                let again = self.send(lane, op, &f).await?;
+                let renewed = self.renew(sent.on);
+                let again = self.send(lane, op, &f, Some(renewed)).await?;
                 self.judge(again)
             }
-            _ => self.judge(sent),
+            out => self.judge(Sent { out, ..sent }),
         }
     }
 
     /// [`FastTier::try_once`], and on a cluster again after each `MOVED` or
     /// `ASK` reply (each try under its lane's timeout), at most
-    /// [`MAX_REDIRECTS`] times.
+    /// [`MAX_REDIRECTS`] times. The first try goes out on `on` when given,
+    /// else on this thread's connection.
     async fn send<T, F, Fut>(
         &self,
         lane: Lane,
         op: &'static str,
         f: &F,
+        mut on: Option<Picked>,
     ) -> Result<Sent<T>, FastError>
     where
         F: Fn(Conn) -> Fut,
@@ -167,7 +173,9 @@ impl FastTier {
         let mut redirect = None;
         let mut followed = 0;
         loop {
-            let sent = self.try_once(lane, op, f, redirect.take()).await?;
+            let sent = self
+                .try_once(lane, op, f, redirect.take(), on.take())
+                .await?;
             if let Some(Err(e)) = &sent.out {
                 if self.cluster && followed < MAX_REDIRECTS {
                     if let Some(r) = Redirect::of(e) {
@@ -182,26 +190,32 @@ impl FastTier {
         }
     }
 
-    /// One try: a connection (or [`FastError::Down`]), then the call under
-    /// its lane's timeout (after `redirect`, on the node it names).
+    /// One try: a connection (`on`, else this thread's, or
+    /// [`FastError::Down`]), then the call under its lane's timeout (after
+    /// `redirect`, on the node it names).
     async fn try_once<T, F, Fut>(
         &self,
         lane: Lane,
         op: &'static str,
         f: &F,
         redirect: Option<Redirect>,
+        on: Option<Picked>,
     ) -> Result<Sent<T>, FastError>
     where
         F: Fn(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
     {
-        let conn = match self.conn(lane).await {
-            Ok(c) => c,
-            Err(e) => {
-                self.count_error(lane);
-                return Err(e);
-            }
+        let on = match on {
+            Some(p) => p,
+            None => match self.conn(lane).await {
+                Ok(p) => p,
+                Err(e) => {
+                    self.count_error(lane);
+                    return Err(e);
+                }
+            },
         };
+        let conn = on.conn.clone();
         let conn = match redirect {
             Some(r) => self.redirected(conn, r),
             None => conn,
@@ -222,6 +236,7 @@ impl FastTier {
             lane,
             took,
             out,
+            on,
         })
     }
 

@@ -1,7 +1,7 @@
 //! Connections to a standalone Redis or a cluster (RESP3, TLS against
-//! `redis.ca_file`), made on first use and shared round-robin.
+//! `redis.ca_file`), made on first use; each calling thread keeps to one.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -47,6 +47,50 @@ pub(super) enum Conn {
     /// The cluster connection for a call sent again after a redirect: its
     /// commands in the redirect's slot go to the node the redirect named.
     Redirected(ClusterConnection, Arc<Redirect>),
+}
+
+/// The connections in use, made on first use (see [`FastTier::conn`]).
+pub(super) struct Conns {
+    /// Standalone: `redis.connections` of them, one per calling thread (see
+    /// [`thread_slot`]); a cluster: its one connection.
+    slots: Vec<Made>,
+    /// Standalone: what makes a slot's connection again (see
+    /// [`FastTier::renew`]).
+    maker: Option<(redis::Client, ConnectionManagerConfig)>,
+}
+
+/// A connection and which one it is: renewed, a slot gets a higher
+/// generation.
+#[derive(Clone)]
+struct Made {
+    generation: u64,
+    conn: Conn,
+}
+
+/// A connection handed to one call: its slot and generation say which one
+/// to replace when its socket dropped under the call ([`FastTier::renew`]).
+pub(super) struct Picked {
+    pub(super) conn: Conn,
+    slot: usize,
+    generation: u64,
+}
+
+/// This thread's slot among the connections: thread `n` (numbered in the
+/// order threads first call Redis) uses connection `n % redis.connections`.
+///
+/// A connection's socket is driven by a task on the thread that made it (an
+/// actix worker's runtime is its thread's own), so a call from another
+/// thread hands its command over and is woken again for the reply: two
+/// thread wake-ups per call. Kept to one thread, a call writes and reads on
+/// its own thread. With at least as many connections as calling threads
+/// (two actix workers and the runtime's two threads on two cores, against
+/// the default four), no connection is shared between threads.
+fn thread_slot() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static SLOT: usize = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    SLOT.with(|s| *s)
 }
 
 /// A `MOVED` or `ASK` reply of a cluster node: the command did not run
@@ -410,7 +454,7 @@ impl FastTier {
     /// unknown). For the same reason the cluster client's own resend after a
     /// dropped connection is switched off (`retries(0)`): it would resend
     /// any of them.
-    async fn connect(&self) -> Result<Vec<Conn>, redis::RedisError> {
+    async fn connect(&self) -> Result<Conns, redis::RedisError> {
         let timeout = self.settings.timeout;
         match &self.settings.topology {
             RedisTopology::Standalone(url) => {
@@ -420,33 +464,105 @@ impl FastTier {
                     .set_connection_timeout(Some(timeout.max(Duration::from_millis(500))))
                     .set_number_of_retries(1)
                     .set_max_delay(Duration::from_millis(500));
-                let mut conns = Vec::new();
+                let mut slots = Vec::new();
                 for _ in 0..self.settings.connections {
-                    conns.push(Conn::Single(ConnectionManager::new_lazy_with_config(
-                        client.clone(),
-                        config.clone(),
-                    )?));
+                    slots.push(Made {
+                        generation: 0,
+                        conn: Conn::Single(ConnectionManager::new_lazy_with_config(
+                            client.clone(),
+                            config.clone(),
+                        )?),
+                    });
                 }
-                Ok(conns)
+                Ok(Conns {
+                    slots,
+                    maker: Some((client, config)),
+                })
             }
             RedisTopology::Cluster(nodes) => {
                 let conn = self.cluster_client(nodes)?.get_async_connection().await?;
-                Ok(vec![Conn::Cluster(conn)])
+                Ok(Conns {
+                    slots: vec![Made {
+                        generation: 0,
+                        conn: Conn::Cluster(conn),
+                    }],
+                    maker: None,
+                })
             }
         }
     }
 
-    fn pick(&self) -> Option<Conn> {
+    /// This thread's connection (see [`thread_slot`]), if made.
+    fn pick(&self) -> Option<Picked> {
         let conns = self
             .conns
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone()?;
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % conns.len();
-        conns.get(i).cloned()
+        let slot = thread_slot() % conns.slots.len().max(1);
+        let made = conns.slots.get(slot)?;
+        Some(Picked {
+            conn: made.conn.clone(),
+            slot,
+            generation: made.generation,
+        })
     }
 
-    pub(super) async fn conn(&self, lane: Lane) -> Result<Conn, FastError> {
+    /// A connection known to be newer than `dropped`, whose socket closed
+    /// under a call: for a call sent again ([`FastTier::call_idempotent`]).
+    ///
+    /// A standalone Redis's `dropped` is replaced in its slot by a new
+    /// connection, made by its first call (the resend), unless a call that
+    /// saw the same drop already replaced it: then that newer one. Sent
+    /// again on `dropped` itself, the call could go out on the closed socket
+    /// before the connection noticed and reconnected, and fail again. A
+    /// cluster's one connection reconnects per node itself: `dropped` is
+    /// handed back.
+    pub(super) fn renew(&self, dropped: Picked) -> Picked {
+        let mut guard = self.conns.write().unwrap_or_else(|p| p.into_inner());
+        let Some(conns) = guard.as_ref() else {
+            return dropped;
+        };
+        let Some(made) = conns.slots.get(dropped.slot) else {
+            return dropped;
+        };
+        if made.generation != dropped.generation {
+            return Picked {
+                conn: made.conn.clone(),
+                slot: dropped.slot,
+                generation: made.generation,
+            };
+        }
+        let Some((client, config)) = &conns.maker else {
+            return dropped;
+        };
+        let conn = match ConnectionManager::new_lazy_with_config(client.clone(), config.clone()) {
+            Ok(c) => Conn::Single(c),
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot make a new redis connection");
+                return dropped;
+            }
+        };
+        let generation = made.generation + 1;
+        let mut slots = conns.slots.clone();
+        if let Some(s) = slots.get_mut(dropped.slot) {
+            *s = Made {
+                generation,
+                conn: conn.clone(),
+            };
+        }
+        *guard = Some(Arc::new(Conns {
+            slots,
+            maker: conns.maker.clone(),
+        }));
+        Picked {
+            conn,
+            slot: dropped.slot,
+            generation,
+        }
+    }
+
+    pub(super) async fn conn(&self, lane: Lane) -> Result<Picked, FastError> {
         if self.health.skipping() {
             return Err(FastError::Down);
         }

@@ -36,7 +36,6 @@
 //!   sent again alone), by which reconcile reads a page and write-backs go
 //!   out.
 
-use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 
 use redis::Script;
@@ -97,10 +96,9 @@ pub struct FastTier {
     settings: RedisSettings,
     /// The connections, made on first use; dropped to be made again from
     /// the seed nodes when a cluster stays unreachable (see [`FastTier::probe`]).
-    conns: std::sync::RwLock<Option<Arc<Vec<Conn>>>>,
+    conns: std::sync::RwLock<Option<Arc<conn::Conns>>>,
     /// Held while connecting, so that one caller connects and the others wait.
     connecting: tokio::sync::Mutex<()>,
-    next: AtomicUsize,
     /// The breaker, the latency window and the mode.
     health: Health,
     scripts: Scripts,
@@ -148,7 +146,6 @@ impl FastTier {
             settings,
             conns: std::sync::RwLock::new(None),
             connecting: tokio::sync::Mutex::new(()),
-            next: AtomicUsize::new(0),
             scripts: Scripts {
                 consume: Script::new(include_str!("../lua/consume.lua")),
                 writeback: Script::new(include_str!("../lua/writeback.lua")),

@@ -7,6 +7,7 @@
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 
+use crate::helpers::link::Link;
 use crate::helpers::procs::*;
 use crate::helpers::tiers::fast_tier;
 use crate::helpers::*;
@@ -47,6 +48,11 @@ async fn terminate_idle_sessions(pg: &sqlx::PgPool, db: &str) -> usize {
 }
 
 async fn consume_ok(app: &TestApp, token: &str, subject: &str, rid: &str) {
+    consume_answers(app, token, subject, rid, "consumed").await;
+}
+
+/// A consume answers 200 with `outcome` (`duplicate`: replayed).
+async fn consume_answers(app: &TestApp, token: &str, subject: &str, rid: &str, outcome: &str) {
     let (s, replayed, body) = answer(
         app.consume(
             PAYMENTS,
@@ -58,7 +64,7 @@ async fn consume_ok(app: &TestApp, token: &str, subject: &str, rid: &str) {
     .await;
     assert_eq!(
         (s, body["outcome"].as_str(), replayed),
-        (StatusCode::OK, Some("consumed"), false),
+        (StatusCode::OK, Some(outcome), outcome == "duplicate"),
         "{rid}: {body}"
     );
 }
@@ -156,6 +162,30 @@ async fn redis_connections_killed_while_idle_fail_no_request() {
             assert!(killed >= CONNECTIONS, "{killed} connections killed: {out}");
         }
         consume_ok(&app, token, "fan", &format!("r{round}-{i}")).await;
+    }
+}
+
+/// A connection Redis closed while it sat idle, whose close the service has
+/// not seen when it sends its next consume on it (a link that closes each
+/// connection open now when the service next writes on it): the consume did
+/// not run, and it is sent again on a connection made after the close, not
+/// on the closed one before that one has reconnected. Every consume is
+/// answered `consumed`, and another attempt hears it is taken. With
+/// `redis.connections = 1` every thread shares the one connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_consume_sent_on_a_connection_closed_while_idle_is_sent_again_on_a_new_one() {
+    let link = Link::to(6379).await;
+    let app = spawn_app_on(
+        Stores::fresh()
+            .redis(&format!("redis://127.0.0.1:{}/2", link.port()))
+            .with("redis.connections = 1\nbiz.like.ttl = \"60s\""),
+    )
+    .await;
+    for round in 0..5 {
+        let token = app.issue(PAYMENTS, "like", "fan").await;
+        link.close_idle_on_write();
+        consume_ok(&app, &token, "fan", &format!("r{round}")).await;
+        consume_answers(&app, &token, "fan", &format!("other{round}"), "duplicate").await;
     }
 }
 

@@ -2,7 +2,10 @@
 //! stalls (bytes held until it opens again), slows (every chunk delayed) or
 //! cuts (connections closed, new ones closed at once), so that one
 //! instance's link fails while the server stays healthy for everyone else.
+//! It can also close the connections open now when their client next writes
+//! ([`Link::close_idle_on_write`]).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,6 +28,11 @@ pub enum LinkState {
 pub struct Link {
     port: u16,
     state: Arc<watch::Sender<LinkState>>,
+    /// Connections numbered below this are closed when their client next
+    /// writes (see [`Link::close_idle_on_write`]); each connection takes the
+    /// next number of `made`.
+    doomed_below: Arc<AtomicU64>,
+    made: Arc<AtomicU64>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -40,9 +48,17 @@ impl Link {
         let (tx, _) = watch::channel(LinkState::Open);
         let state = Arc::new(tx);
         let st = state.clone();
+        let doomed_below = Arc::new(AtomicU64::new(0));
+        let made = Arc::new(AtomicU64::new(0));
+        let (doomed, numbers) = (doomed_below.clone(), made.clone());
         let accept = tokio::spawn(async move {
             while let Ok((inbound, _)) = listener.accept().await {
                 let st = st.clone();
+                let number = numbers.fetch_add(1, Ordering::SeqCst);
+                let doomed = Doomed {
+                    number,
+                    below: doomed.clone(),
+                };
                 tokio::spawn(async move {
                     if *st.borrow() == LinkState::Cut {
                         return;
@@ -54,12 +70,13 @@ impl Link {
                     let _ = outbound.set_nodelay(true);
                     let (ri, wi) = inbound.into_split();
                     let (ro, wo) = outbound.into_split();
-                    let up = tokio::spawn(pump(ri, wo, st.subscribe()));
-                    let down = tokio::spawn(pump(ro, wi, st.subscribe()));
-                    // Either direction ending ends the connection.
+                    let mut up = tokio::spawn(pump(ri, wo, st.subscribe(), Some(doomed)));
+                    let mut down = tokio::spawn(pump(ro, wi, st.subscribe(), None));
+                    // Either direction ending ends the connection: the other
+                    // is stopped, so both sockets close.
                     tokio::select! {
-                        _ = up => {}
-                        _ = down => {}
+                        _ = &mut up => down.abort(),
+                        _ = &mut down => up.abort(),
                     }
                 });
             }
@@ -67,6 +84,8 @@ impl Link {
         Link {
             port,
             state,
+            doomed_below,
+            made,
             accept,
         }
     }
@@ -91,6 +110,23 @@ impl Link {
     pub fn slow(&self, by: Duration) {
         self.set(LinkState::Slow(by));
     }
+
+    /// Closes each connection open now when its client next writes, without
+    /// passing the bytes on: a server that closed an idle connection, seen
+    /// by the client only when it sends its next command on it (the command
+    /// did not run). Connections made after this call pass as the link's
+    /// state says.
+    pub fn close_idle_on_write(&self) {
+        self.doomed_below
+            .store(self.made.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+}
+
+/// A connection's number, and the bound below which it is closed on its
+/// client's next write.
+struct Doomed {
+    number: u64,
+    below: Arc<AtomicU64>,
 }
 
 impl Drop for Link {
@@ -101,11 +137,14 @@ impl Drop for Link {
 }
 
 /// Copies `from` to `to` chunk by chunk, obeying the link's state before
-/// forwarding each chunk; returns when either side closes or the link is cut.
+/// forwarding each chunk; returns when either side closes, the link is cut,
+/// or (the client's side, `doomed`) a chunk comes on a connection
+/// [`Link::close_idle_on_write`] doomed.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     mut state: watch::Receiver<LinkState>,
+    doomed: Option<Doomed>,
 ) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
@@ -121,6 +160,12 @@ async fn pump(
                 continue;
             }
         };
+        if doomed
+            .as_ref()
+            .is_some_and(|d| d.number < d.below.load(Ordering::SeqCst))
+        {
+            return;
+        }
         loop {
             let now = *state.borrow_and_update();
             match now {
