@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::conn::{Lane, Picked, Redirect};
+use super::conn::{Lane, Redirect};
 use super::{Conn, FastError, FastTier};
 use crate::fast::breaker::Failure;
 
@@ -52,8 +52,6 @@ struct Sent<T> {
     lane: Lane,
     took: Duration,
     out: Option<Result<T, redis::RedisError>>,
-    /// The connection it went out on.
-    on: Picked,
 }
 
 /// Whether an error means the connection (not the command) failed: those
@@ -121,17 +119,19 @@ impl FastTier {
         F: Fn(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
     {
-        let sent = self.send(lane, op, &f, None).await?;
+        let sent = self.send(lane, op, &f).await?;
         self.judge(sent)
     }
 
     /// [`FastTier::call`] for a call that is idempotent per attempt: when the
     /// connection dropped under it (the socket closed before its reply), it
-    /// is sent once more, on a connection made after the drop
-    /// ([`FastTier::renew`]). Safe only because sending it twice answers
-    /// what sending it once would have, in either order (see
-    /// `consume.lua`); a timeout is never resent (the first may still be on
-    /// its way).
+    /// is sent once more, on this thread's connection: the redis client has
+    /// replaced it by then (`ConnectionManager` starts a new connection when
+    /// a call fails with its socket dropped, before the error comes back),
+    /// so the resend waits for the new socket, not the closed one. Safe only
+    /// because sending it twice answers what sending it once would have, in
+    /// either order (see `consume.lua`); a timeout is never resent (the
+    /// first may still be on its way).
     pub(super) async fn call_idempotent<T, F, Fut>(
         &self,
         lane: Lane,
@@ -142,29 +142,26 @@ impl FastTier {
         F: Fn(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
     {
-        let sent = self.send(lane, op, &f, None).await?;
-        match sent.out {
+        let sent = self.send(lane, op, &f).await?;
+        match &sent.out {
             Some(Err(e)) if e.is_connection_dropped() => {
                 self.count_error(lane);
                 tracing::debug!(error = %e, op, "redis connection dropped under the call: sent again");
-                let renewed = self.renew(sent.on);
-                let again = self.send(lane, op, &f, Some(renewed)).await?;
+                let again = self.send(lane, op, &f).await?;
                 self.judge(again)
             }
-            out => self.judge(Sent { out, ..sent }),
+            _ => self.judge(sent),
         }
     }
 
     /// [`FastTier::try_once`], and on a cluster again after each `MOVED` or
     /// `ASK` reply (each try under its lane's timeout), at most
-    /// [`MAX_REDIRECTS`] times. The first try goes out on `on` when given,
-    /// else on this thread's connection.
+    /// [`MAX_REDIRECTS`] times.
     async fn send<T, F, Fut>(
         &self,
         lane: Lane,
         op: &'static str,
         f: &F,
-        mut on: Option<Picked>,
     ) -> Result<Sent<T>, FastError>
     where
         F: Fn(Conn) -> Fut,
@@ -173,9 +170,7 @@ impl FastTier {
         let mut redirect = None;
         let mut followed = 0;
         loop {
-            let sent = self
-                .try_once(lane, op, f, redirect.take(), on.take())
-                .await?;
+            let sent = self.try_once(lane, op, f, redirect.take()).await?;
             if let Some(Err(e)) = &sent.out {
                 if self.cluster && followed < MAX_REDIRECTS {
                     if let Some(r) = Redirect::of(e) {
@@ -190,32 +185,26 @@ impl FastTier {
         }
     }
 
-    /// One try: a connection (`on`, else this thread's, or
-    /// [`FastError::Down`]), then the call under its lane's timeout (after
-    /// `redirect`, on the node it names).
+    /// One try: a connection (or [`FastError::Down`]), then the call under
+    /// its lane's timeout (after `redirect`, on the node it names).
     async fn try_once<T, F, Fut>(
         &self,
         lane: Lane,
         op: &'static str,
         f: &F,
         redirect: Option<Redirect>,
-        on: Option<Picked>,
     ) -> Result<Sent<T>, FastError>
     where
         F: Fn(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, redis::RedisError>>,
     {
-        let on = match on {
-            Some(p) => p,
-            None => match self.conn(lane).await {
-                Ok(p) => p,
-                Err(e) => {
-                    self.count_error(lane);
-                    return Err(e);
-                }
-            },
+        let conn = match self.conn(lane).await {
+            Ok(c) => c,
+            Err(e) => {
+                self.count_error(lane);
+                return Err(e);
+            }
         };
-        let conn = on.conn.clone();
         let conn = match redirect {
             Some(r) => self.redirected(conn, r),
             None => conn,
@@ -236,7 +225,6 @@ impl FastTier {
             lane,
             took,
             out,
-            on,
         })
     }
 

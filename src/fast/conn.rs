@@ -49,32 +49,6 @@ pub(super) enum Conn {
     Redirected(ClusterConnection, Arc<Redirect>),
 }
 
-/// The connections in use, made on first use (see [`FastTier::conn`]).
-pub(super) struct Conns {
-    /// Standalone: `redis.connections` of them, one per calling thread (see
-    /// [`thread_slot`]); a cluster: its one connection.
-    slots: Vec<Made>,
-    /// Standalone: what makes a slot's connection again (see
-    /// [`FastTier::renew`]).
-    maker: Option<(redis::Client, ConnectionManagerConfig)>,
-}
-
-/// A connection and which one it is: renewed, a slot gets a higher
-/// generation.
-#[derive(Clone)]
-struct Made {
-    generation: u64,
-    conn: Conn,
-}
-
-/// A connection handed to one call: its slot and generation say which one
-/// to replace when its socket dropped under the call ([`FastTier::renew`]).
-pub(super) struct Picked {
-    pub(super) conn: Conn,
-    slot: usize,
-    generation: u64,
-}
-
 /// This thread's slot among the connections: thread `n` (numbered in the
 /// order threads first call Redis) uses connection `n % redis.connections`.
 ///
@@ -454,7 +428,7 @@ impl FastTier {
     /// unknown). For the same reason the cluster client's own resend after a
     /// dropped connection is switched off (`retries(0)`): it would resend
     /// any of them.
-    async fn connect(&self) -> Result<Conns, redis::RedisError> {
+    async fn connect(&self) -> Result<Vec<Conn>, redis::RedisError> {
         let timeout = self.settings.timeout;
         match &self.settings.topology {
             RedisTopology::Standalone(url) => {
@@ -464,105 +438,33 @@ impl FastTier {
                     .set_connection_timeout(Some(timeout.max(Duration::from_millis(500))))
                     .set_number_of_retries(1)
                     .set_max_delay(Duration::from_millis(500));
-                let mut slots = Vec::new();
+                let mut conns = Vec::new();
                 for _ in 0..self.settings.connections {
-                    slots.push(Made {
-                        generation: 0,
-                        conn: Conn::Single(ConnectionManager::new_lazy_with_config(
-                            client.clone(),
-                            config.clone(),
-                        )?),
-                    });
+                    conns.push(Conn::Single(ConnectionManager::new_lazy_with_config(
+                        client.clone(),
+                        config.clone(),
+                    )?));
                 }
-                Ok(Conns {
-                    slots,
-                    maker: Some((client, config)),
-                })
+                Ok(conns)
             }
             RedisTopology::Cluster(nodes) => {
                 let conn = self.cluster_client(nodes)?.get_async_connection().await?;
-                Ok(Conns {
-                    slots: vec![Made {
-                        generation: 0,
-                        conn: Conn::Cluster(conn),
-                    }],
-                    maker: None,
-                })
+                Ok(vec![Conn::Cluster(conn)])
             }
         }
     }
 
     /// This thread's connection (see [`thread_slot`]), if made.
-    fn pick(&self) -> Option<Picked> {
+    fn pick(&self) -> Option<Conn> {
         let conns = self
             .conns
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone()?;
-        let slot = thread_slot() % conns.slots.len().max(1);
-        let made = conns.slots.get(slot)?;
-        Some(Picked {
-            conn: made.conn.clone(),
-            slot,
-            generation: made.generation,
-        })
+        conns.get(thread_slot() % conns.len().max(1)).cloned()
     }
 
-    /// A connection known to be newer than `dropped`, whose socket closed
-    /// under a call: for a call sent again ([`FastTier::call_idempotent`]).
-    ///
-    /// A standalone Redis's `dropped` is replaced in its slot by a new
-    /// connection, made by its first call (the resend), unless a call that
-    /// saw the same drop already replaced it: then that newer one. Sent
-    /// again on `dropped` itself, the call could go out on the closed socket
-    /// before the connection noticed and reconnected, and fail again. A
-    /// cluster's one connection reconnects per node itself: `dropped` is
-    /// handed back.
-    pub(super) fn renew(&self, dropped: Picked) -> Picked {
-        let mut guard = self.conns.write().unwrap_or_else(|p| p.into_inner());
-        let Some(conns) = guard.as_ref() else {
-            return dropped;
-        };
-        let Some(made) = conns.slots.get(dropped.slot) else {
-            return dropped;
-        };
-        if made.generation != dropped.generation {
-            return Picked {
-                conn: made.conn.clone(),
-                slot: dropped.slot,
-                generation: made.generation,
-            };
-        }
-        let Some((client, config)) = &conns.maker else {
-            return dropped;
-        };
-        let conn = match ConnectionManager::new_lazy_with_config(client.clone(), config.clone()) {
-            Ok(c) => Conn::Single(c),
-            Err(e) => {
-                tracing::debug!(error = %e, "cannot make a new redis connection");
-                return dropped;
-            }
-        };
-        let generation = made.generation + 1;
-        let mut slots = conns.slots.clone();
-        if let Some(s) = slots.get_mut(dropped.slot) {
-            *s = Made {
-                generation,
-                conn: conn.clone(),
-            };
-        }
-        *guard = Some(Arc::new(Conns {
-            slots,
-            maker: conns.maker.clone(),
-        }));
-        Picked {
-            conn,
-            slot: dropped.slot,
-            generation,
-        }
-    }
-
-    pub(super) async fn conn(&self, lane: Lane) -> Result<Picked, FastError> {
+    pub(super) async fn conn(&self, lane: Lane) -> Result<Conn, FastError> {
         if self.health.skipping() {
             return Err(FastError::Down);
         }

@@ -96,7 +96,7 @@ pub struct FastTier {
     settings: RedisSettings,
     /// The connections, made on first use; dropped to be made again from
     /// the seed nodes when a cluster stays unreachable (see [`FastTier::probe`]).
-    conns: std::sync::RwLock<Option<Arc<conn::Conns>>>,
+    conns: std::sync::RwLock<Option<Arc<Vec<Conn>>>>,
     /// Held while connecting, so that one caller connects and the others wait.
     connecting: tokio::sync::Mutex<()>,
     /// The breaker, the latency window and the mode.

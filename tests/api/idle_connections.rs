@@ -168,10 +168,11 @@ async fn redis_connections_killed_while_idle_fail_no_request() {
 /// A connection Redis closed while it sat idle, whose close the service has
 /// not seen when it sends its next consume on it (a link that closes each
 /// connection open now when the service next writes on it): the consume did
-/// not run, and it is sent again on a connection made after the close, not
-/// on the closed one before that one has reconnected. Every consume is
-/// answered `consumed`, and another attempt hears it is taken. With
-/// `redis.connections = 1` every thread shares the one connection.
+/// not run, and it is sent again on the same thread's connection, which the
+/// redis client has replaced by then (it starts a new connection when a call
+/// fails with its socket dropped, before the error comes back). Every
+/// consume is answered `consumed`, and another attempt hears it is taken.
+/// With `redis.connections = 1` every thread shares the one connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_consume_sent_on_a_connection_closed_while_idle_is_sent_again_on_a_new_one() {
     let link = Link::to(6379).await;
