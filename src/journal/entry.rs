@@ -118,9 +118,9 @@ fn pack(entry: &impl serde::Serialize) -> String {
     serde_json::to_string(entry).unwrap_or_default()
 }
 
-/// What [`ENTRY`] holds, told apart by length (the first element names it).
-#[derive(serde::Deserialize)]
-#[serde(untagged)]
+/// What [`ENTRY`] holds: an array whose first element names the operation
+/// and whose length tells the layouts of one operation apart.
+#[derive(Debug, PartialEq)]
 enum Packed {
     Consume(
         (
@@ -152,6 +152,100 @@ enum Packed {
     ReleaseFor((String, i64, String, String, String, String, i64, i64)),
     Result((String, i64, String)),
     Release((String, i64)),
+}
+
+impl<'de> serde::Deserialize<'de> for Packed {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_seq(PackedVisitor)
+    }
+}
+
+/// Reads a [`Packed`] element by element: the operation first, then the
+/// layout it names, each value once into its own type (an untagged enum
+/// would buffer every value and try each layout in turn). An entry is read
+/// only as a layout of the operation it names; anything else (another
+/// length, another type at any place, an unknown operation) is an error.
+struct PackedVisitor;
+
+/// The next element, which must be there (the `at`-th, counting from 0).
+fn element<'de, T, A>(seq: &mut A, at: usize) -> Result<T, A::Error>
+where
+    T: serde::Deserialize<'de>,
+    A: serde::de::SeqAccess<'de>,
+{
+    seq.next_element()?
+        .ok_or_else(|| serde::de::Error::invalid_length(at, &PackedVisitor))
+}
+
+/// The sequence must end after its `len` elements.
+fn end<'de, A: serde::de::SeqAccess<'de>>(seq: &mut A, len: usize) -> Result<(), A::Error> {
+    match seq.next_element::<serde::de::IgnoredAny>()? {
+        None => Ok(()),
+        Some(_) => Err(serde::de::Error::invalid_length(len + 1, &PackedVisitor)),
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for PackedVisitor {
+    type Value = Packed;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a journal entry: [operation, id, ...] in one of its layouts")
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Packed, A::Error> {
+        let op: String = element(&mut seq, 0)?;
+        let id: i64 = element(&mut seq, 1)?;
+        let packed = match Op::parse(&op) {
+            Some(Op::Consume) => {
+                let (token, biz, subject, client) = (
+                    element(&mut seq, 2)?,
+                    element(&mut seq, 3)?,
+                    element(&mut seq, 4)?,
+                    element(&mut seq, 5)?,
+                );
+                let (iat, exp) = (element(&mut seq, 6)?, element(&mut seq, 7)?);
+                let (rid, fp) = (element(&mut seq, 8)?, element(&mut seq, 9)?);
+                end(&mut seq, 10)?;
+                Packed::Consume((op, id, token, biz, subject, client, iat, exp, rid, fp))
+            }
+            Some(Op::Result) => {
+                let text: String = element(&mut seq, 2)?;
+                match seq.next_element::<String>()? {
+                    None => Packed::Result((op, id, text)),
+                    Some(token) => {
+                        let (biz, subject, client) = (
+                            element(&mut seq, 4)?,
+                            element(&mut seq, 5)?,
+                            element(&mut seq, 6)?,
+                        );
+                        let (iat, exp) = (element(&mut seq, 7)?, element(&mut seq, 8)?);
+                        end(&mut seq, 9)?;
+                        Packed::ResultFor((op, id, text, token, biz, subject, client, iat, exp))
+                    }
+                }
+            }
+            Some(Op::Release) => match seq.next_element::<String>()? {
+                None => Packed::Release((op, id)),
+                Some(token) => {
+                    let (biz, subject, client) = (
+                        element(&mut seq, 3)?,
+                        element(&mut seq, 4)?,
+                        element(&mut seq, 5)?,
+                    );
+                    let (iat, exp) = (element(&mut seq, 6)?, element(&mut seq, 7)?);
+                    end(&mut seq, 8)?;
+                    Packed::ReleaseFor((op, id, token, biz, subject, client, iat, exp))
+                }
+            },
+            None => {
+                return Err(serde::de::Error::invalid_value(
+                    serde::de::Unexpected::Str(&op),
+                    &PackedVisitor,
+                ))
+            }
+        };
+        Ok(packed)
+    }
 }
 
 #[derive(Debug)]
@@ -584,6 +678,150 @@ mod tests {
             parse(&entry(&old_release, 1)),
             Entry::Release { id: 10 }
         ));
+    }
+
+    /// The layouts as an untagged enum, as entries were read before
+    /// [`PackedVisitor`]: the oracle the visitor must agree with.
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Oracle {
+        Consume(
+            (
+                String,
+                i64,
+                String,
+                String,
+                String,
+                String,
+                i64,
+                i64,
+                String,
+                String,
+            ),
+        ),
+        ResultFor(
+            (
+                String,
+                i64,
+                String,
+                String,
+                String,
+                String,
+                String,
+                i64,
+                i64,
+            ),
+        ),
+        ReleaseFor((String, i64, String, String, String, String, i64, i64)),
+        Result((String, i64, String)),
+        Release((String, i64)),
+    }
+
+    impl Oracle {
+        /// What the oracle read, if its first element names its layout's
+        /// operation (the untagged enum took any name; `parse_packed`
+        /// then refused the others).
+        fn packed(self) -> Option<Packed> {
+            let (op, packed) = match self {
+                Oracle::Consume(t) => (Op::Consume, Packed::Consume(t)),
+                Oracle::ResultFor(t) => (Op::Result, Packed::ResultFor(t)),
+                Oracle::ReleaseFor(t) => (Op::Release, Packed::ReleaseFor(t)),
+                Oracle::Result(t) => (Op::Result, Packed::Result(t)),
+                Oracle::Release(t) => (Op::Release, Packed::Release(t)),
+            };
+            let named = match &packed {
+                Packed::Consume(t) => &t.0,
+                Packed::ResultFor(t) => &t.0,
+                Packed::ReleaseFor(t) => &t.0,
+                Packed::Result(t) => &t.0,
+                Packed::Release(t) => &t.0,
+            };
+            (named == op.as_str()).then_some(packed)
+        }
+    }
+
+    /// Any JSON value a damaged entry could hold in one place.
+    fn any_value() -> impl Strategy<Value = Json> {
+        prop_oneof![
+            any::<i64>().prop_map(Json::from),
+            (i64::MAX as u64 + 1..=u64::MAX).prop_map(Json::from),
+            (-1e9f64..1e9).prop_map(Json::from),
+            "[ -~]{0,6}".prop_map(Json::from),
+            any::<bool>().prop_map(Json::from),
+            Just(Json::Null),
+            Just(serde_json::json!(["consume", 1])),
+            Just(serde_json::json!({"op": "release"})),
+        ]
+    }
+
+    /// An entry in one of the layouts (`true`: a string's place), under any
+    /// operation's name, then damaged or not: an element dropped, one
+    /// added, or one replaced by any value.
+    fn entries() -> impl Strategy<Value = Vec<Json>> {
+        const S: bool = true;
+        const I: bool = false;
+        let layouts: [&'static [bool]; 5] = [
+            &[S, I, S, S, S, S, I, I, S, S],
+            &[S, I, S, S, S, S, S, I, I],
+            &[S, I, S, S, S, S, I, I],
+            &[S, I, S],
+            &[S, I],
+        ];
+        let op = prop_oneof![
+            Just("consume"),
+            Just("result"),
+            Just("release"),
+            Just("drop"),
+            Just(""),
+        ];
+        (
+            proptest::sample::select(layouts.to_vec()),
+            op,
+            proptest::collection::vec(("[ -~]{0,6}", any::<i64>()), 10),
+            0..4u8,
+            any::<proptest::sample::Index>(),
+            any_value(),
+        )
+            .prop_map(|(layout, op, values, damage, at, value)| {
+                let mut entry: Vec<Json> = layout
+                    .iter()
+                    .zip(values)
+                    .map(|(string, (s, i))| {
+                        if *string {
+                            Json::from(s)
+                        } else {
+                            Json::from(i)
+                        }
+                    })
+                    .collect();
+                entry[0] = Json::from(op);
+                match damage {
+                    1 => {
+                        entry.pop();
+                    }
+                    2 => entry.push(value),
+                    3 => {
+                        let i = at.index(entry.len());
+                        entry[i] = value;
+                    }
+                    _ => {}
+                }
+                entry
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// The visitor reads an entry exactly when the untagged layouts
+        /// read it under its own operation's name, and reads the same.
+        #[test]
+        fn the_visitor_reads_what_the_untagged_layouts_read(entry in entries()) {
+            let text = serde_json::to_string(&entry).unwrap();
+            let read = serde_json::from_str::<Packed>(&text).ok();
+            let oracle = serde_json::from_str::<Oracle>(&text).ok().and_then(Oracle::packed);
+            prop_assert_eq!(read, oracle, "{}", text);
+        }
     }
 
     #[test]
