@@ -7,7 +7,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use futures_util::TryStreamExt;
+use futures_util::{FutureExt, TryStreamExt};
 use sqlx::postgres::{
     PgArguments, PgConnectOptions, PgDatabaseError, PgPool, PgPoolOptions, PgRow, PgSeverity,
 };
@@ -187,15 +187,15 @@ impl Pools {
     /// Runs one payment-path call with the client-side deadline, so that a
     /// Postgres that stopped answering (SIGSTOP, a network partition) costs a
     /// bounded time and answers [`DurableError::TimedOut`].
-    pub async fn bounded<T, E, F>(&self, f: F) -> Result<T, DurableError>
+    ///
+    /// The deadline starts at the first poll, as an `async fn`'s would; but
+    /// `f` is held once (see [`on_first_poll`]).
+    pub fn bounded<T, E, F>(&self, f: F) -> impl Future<Output = Result<T, DurableError>>
     where
-        F: std::future::Future<Output = Result<T, E>>,
+        F: Future<Output = Result<T, E>>,
         E: Into<DurableError>,
     {
-        match tokio::time::timeout(self.deadline, f).await {
-            Ok(out) => out.map_err(Into::into),
-            Err(_) => Err(DurableError::TimedOut(self.deadline)),
-        }
+        within(self.deadline, f)
     }
 
     pub async fn close(&self) {
@@ -347,23 +347,59 @@ fn connection_lost(e: &sqlx::Error) -> bool {
     }
 }
 
-/// Times one statement into `ledger_tier_duration_seconds{tier="postgres"}`.
-pub(crate) async fn timed<T, E, F>(
-    metrics: &Metrics,
-    op: &'static str,
+/// `f` under `deadline` from its first poll ([`Pools::bounded`]).
+fn within<T, E, F>(
+    deadline: std::time::Duration,
     f: F,
-) -> Result<T, DurableError>
+) -> impl Future<Output = Result<T, DurableError>>
 where
-    F: std::future::Future<Output = Result<T, E>>,
+    F: Future<Output = Result<T, E>>,
     E: Into<DurableError>,
 {
-    let start = Instant::now();
-    let out = f.await;
-    metrics
-        .tier_duration
-        .with_label_values(&["postgres", op])
-        .observe(start.elapsed().as_secs_f64());
-    out.map_err(Into::into)
+    on_first_poll(move || {
+        tokio::time::timeout(deadline, f).map(move |out| match out {
+            Ok(out) => out.map_err(Into::into),
+            Err(_) => Err(DurableError::TimedOut(deadline)),
+        })
+    })
+}
+
+/// Times one statement into `ledger_tier_duration_seconds{tier="postgres"}`,
+/// from its first poll; `f` is held once (see [`on_first_poll`]).
+pub(crate) fn timed<'a, T, E, F>(
+    metrics: &'a Metrics,
+    op: &'static str,
+    f: F,
+) -> impl Future<Output = Result<T, DurableError>> + 'a
+where
+    F: Future<Output = Result<T, E>> + 'a,
+    E: Into<DurableError> + 'a,
+    T: 'a,
+{
+    on_first_poll(move || {
+        let start = Instant::now();
+        f.map(move |out| {
+            metrics
+                .tier_duration
+                .with_label_values(&["postgres", op])
+                .observe(start.elapsed().as_secs_f64());
+            out.map_err(Into::into)
+        })
+    })
+}
+
+/// The future `make` makes, made at the first poll. A wrapper written as an
+/// `async fn` that awaits the future it was given holds that future twice
+/// (the argument, and the moved copy it awaits), so each such layer doubled
+/// the size of every consume's future, and every request copies its future
+/// whole into the HTTP server's box. Made here, `make`'s captures and the
+/// future it makes share one place.
+fn on_first_poll<M, F>(make: M) -> impl Future<Output = F::Output>
+where
+    M: FnOnce() -> F,
+    F: Future,
+{
+    futures_util::future::lazy(move |_| make()).flatten()
 }
 
 impl Pools {
@@ -371,5 +407,36 @@ impl Pools {
     pub async fn hot_reachable(&self, within: std::time::Duration) -> bool {
         let ping = fetch_one(&self.hot, || sqlx::query("SELECT 1"));
         matches!(tokio::time::timeout(within, ping).await, Ok(Ok(_)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A statement's future stand-in: 4 KiB held across its await.
+    async fn big() -> Result<usize, DurableError> {
+        let buf = [7u8; 4096];
+        tokio::task::yield_now().await;
+        Ok(buf.iter().map(|b| usize::from(*b)).sum())
+    }
+
+    /// Each wrapper adds a few words to the future it wraps: as `async fn`s
+    /// they held it twice, and every consume's future is copied whole into
+    /// the HTTP server's box.
+    #[tokio::test]
+    async fn the_postgres_wrappers_hold_their_future_once() {
+        let inner = std::mem::size_of_val(&big());
+        assert!(inner >= 4096, "{inner}");
+        let metrics = Metrics::new();
+        let wrapped = timed(&metrics, "test", big());
+        assert!(std::mem::size_of_val(&wrapped) < inner + 128);
+        assert_eq!(wrapped.await.ok(), Some(7 * 4096));
+        let deadline = std::time::Duration::from_secs(5);
+        let wrapped = within(deadline, big());
+        // A timeout carries its timer (a `Sleep`) beside the future.
+        let sleep = std::mem::size_of_val(&tokio::time::sleep(deadline));
+        assert!(std::mem::size_of_val(&wrapped) < inner + sleep + 128);
+        assert_eq!(wrapped.await.ok(), Some(7 * 4096));
     }
 }
