@@ -176,7 +176,10 @@ impl FastTier {
                     if let Some(r) = Redirect::of(e) {
                         tracing::debug!(error = %e, op, "redis cluster redirect: sent again to the node it names");
                         followed += 1;
-                        redirect = Some(r);
+                        // Boxed: a redirect is rare (a cluster's slot
+                        // moving), and it would otherwise take its room in
+                        // every call's future.
+                        redirect = Some(Box::new(r));
                         continue;
                     }
                 }
@@ -192,7 +195,7 @@ impl FastTier {
         lane: Lane,
         op: &'static str,
         f: &F,
-        redirect: Option<Redirect>,
+        redirect: Option<Box<Redirect>>,
     ) -> Result<Sent<T>, FastError>
     where
         F: Fn(Conn) -> Fut,
@@ -206,7 +209,7 @@ impl FastTier {
             }
         };
         let conn = match redirect {
-            Some(r) => self.redirected(conn, r),
+            Some(r) => self.redirected(conn, *r),
             None => conn,
         };
         let timeout = match lane {

@@ -471,6 +471,14 @@ impl FastTier {
         if let Some(c) = self.pick() {
             return Ok(c);
         }
+        // Boxed: connecting happens once (and after a failover); its future
+        // would otherwise take its room in every call's.
+        Box::pin(self.connect_and_pick(lane)).await
+    }
+
+    /// [`Self::conn`] when there are no connections yet: makes them (one
+    /// caller at a time), then picks one.
+    async fn connect_and_pick(&self, lane: Lane) -> Result<Conn, FastError> {
         let bound = self.settings.timeout.max(Duration::from_millis(500));
         let made = tokio::time::timeout(bound, async {
             let _one = self.connecting.lock().await;
