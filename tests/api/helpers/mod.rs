@@ -146,6 +146,11 @@ pub struct TestApp {
     join: Option<JoinHandle<anyhow::Result<()>>>,
 }
 
+/// A client ceiling no test's load reaches, for the tests that send more
+/// than the default ceiling's burst (`limits.client_rate`, 2,000/s) as fast
+/// as the service answers and are not about rate limits.
+pub const UNLIMITED_CLIENTS: &str = "limits.client_rate = \"1000000/s\"";
+
 pub async fn spawn_app() -> TestApp {
     spawn_app_on(Stores::fresh()).await
 }
