@@ -137,18 +137,15 @@ impl Ledger {
                         .consume(record, attempt.fingerprint, attempt.request_id)
                         .await
                 }
-                // Boxed: a fast type reaches Postgres only when Redis lost
-                // the token or is down, and the statement's future would
-                // otherwise set the size of every consume's (see
-                // [`Self::consume_fast`]).
                 Durability::Fast => {
-                    Box::pin(self.pools.bounded(tokens::consume_versioned(
-                        &self.pools.hot,
-                        record,
-                        attempt.fingerprint,
-                        attempt.request_id,
-                    )))
-                    .await
+                    self.pools
+                        .bounded(tokens::consume_versioned(
+                            &self.pools.hot,
+                            record,
+                            attempt.fingerprint,
+                            attempt.request_id,
+                        ))
+                        .await
                 }
             }
         };
