@@ -118,40 +118,50 @@ fn pack(entry: &impl serde::Serialize) -> String {
     serde_json::to_string(entry).unwrap_or_default()
 }
 
+/// A consume: op, id, token, biz type, subject, client, issued at, expires
+/// at (ms), request id, fingerprint.
+type ConsumeLayout = (
+    String,
+    i64,
+    String,
+    String,
+    String,
+    String,
+    i64,
+    i64,
+    String,
+    String,
+);
+/// A result with its token record: op, id, result (JSON text), token, biz
+/// type, subject, client, issued at, expires at.
+type ResultForLayout = (
+    String,
+    i64,
+    String,
+    String,
+    String,
+    String,
+    String,
+    i64,
+    i64,
+);
+/// A release with its token record: op, id, token, biz type, subject,
+/// client, issued at, expires at.
+type ReleaseForLayout = (String, i64, String, String, String, String, i64, i64);
+/// A result without a token record: op, id, result.
+type ResultLayout = (String, i64, String);
+/// A release without a token record: op, id.
+type ReleaseLayout = (String, i64);
+
 /// What [`ENTRY`] holds: an array whose first element names the operation
 /// and whose length tells the layouts of one operation apart.
 #[derive(Debug, PartialEq)]
 enum Packed {
-    Consume(
-        (
-            String,
-            i64,
-            String,
-            String,
-            String,
-            String,
-            i64,
-            i64,
-            String,
-            String,
-        ),
-    ),
-    ResultFor(
-        (
-            String,
-            i64,
-            String,
-            String,
-            String,
-            String,
-            String,
-            i64,
-            i64,
-        ),
-    ),
-    ReleaseFor((String, i64, String, String, String, String, i64, i64)),
-    Result((String, i64, String)),
-    Release((String, i64)),
+    Consume(ConsumeLayout),
+    ResultFor(ResultForLayout),
+    ReleaseFor(ReleaseForLayout),
+    Result(ResultLayout),
+    Release(ReleaseLayout),
 }
 
 impl<'de> serde::Deserialize<'de> for Packed {
@@ -685,36 +695,11 @@ mod tests {
     #[derive(serde::Deserialize)]
     #[serde(untagged)]
     enum Oracle {
-        Consume(
-            (
-                String,
-                i64,
-                String,
-                String,
-                String,
-                String,
-                i64,
-                i64,
-                String,
-                String,
-            ),
-        ),
-        ResultFor(
-            (
-                String,
-                i64,
-                String,
-                String,
-                String,
-                String,
-                String,
-                i64,
-                i64,
-            ),
-        ),
-        ReleaseFor((String, i64, String, String, String, String, i64, i64)),
-        Result((String, i64, String)),
-        Release((String, i64)),
+        Consume(ConsumeLayout),
+        ResultFor(ResultForLayout),
+        ReleaseFor(ReleaseForLayout),
+        Result(ResultLayout),
+        Release(ReleaseLayout),
     }
 
     impl Oracle {
