@@ -32,7 +32,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use bloomfilter::Bloom;
@@ -79,27 +79,65 @@ impl Verdict {
 /// One bloom filter of a generation.
 struct Part {
     bloom: Bloom<u64>,
+    /// Ids set in it; every set of a bit comes with an increment, under the
+    /// write lock.
     items: usize,
+    /// Its bits last counted: `(items, ones)` at that moment. A part whose
+    /// `items` has not moved since has the same bits, and is not counted
+    /// again (only the generations still receiving ids are).
+    counted: Mutex<Option<(usize, u64)>>,
 }
 
 impl Part {
-    /// Share of bits set, counted exactly.
-    fn fill_ratio(&self) -> f64 {
+    fn new(bloom: Bloom<u64>) -> Part {
+        Part {
+            bloom,
+            items: 0,
+            counted: Mutex::new(None),
+        }
+    }
+
+    /// Share of bits set, counted exactly (again only if ids were set since
+    /// the last count), and whether this call counted them.
+    fn fill_ratio(&self) -> (f64, bool) {
         let bits = self.bloom.len();
         if bits == 0 {
-            return 0.0;
+            return (0.0, false);
         }
-        // `as_slice` is a header followed by the bitmap: the bitmap is the tail.
-        let slice = self.bloom.as_slice();
-        let bytes = usize::try_from(bits / 8)
-            .unwrap_or(slice.len())
-            .min(slice.len());
-        let ones: u64 = slice[slice.len() - bytes..]
-            .iter()
-            .map(|b| u64::from(b.count_ones()))
-            .sum();
-        ones as f64 / bits as f64
+        let mut counted = self.counted.lock().unwrap_or_else(|p| p.into_inner());
+        let (ones, recounted) = match *counted {
+            Some((items, ones)) if items == self.items => (ones, false),
+            _ => {
+                // `as_slice` is a header followed by the bitmap: the bitmap is the tail.
+                let slice = self.bloom.as_slice();
+                let bytes = usize::try_from(bits / 8)
+                    .unwrap_or(slice.len())
+                    .min(slice.len());
+                let ones = count_ones(&slice[slice.len() - bytes..]);
+                *counted = Some((self.items, ones));
+                (ones, true)
+            }
+        };
+        (ones as f64 / bits as f64, recounted)
     }
+}
+
+/// Bits set in `bytes`, eight bytes at a time.
+fn count_ones(bytes: &[u8]) -> u64 {
+    let words = bytes.chunks_exact(8);
+    let tail: u64 = words
+        .remainder()
+        .iter()
+        .map(|b| u64::from(b.count_ones()))
+        .sum();
+    words
+        .map(|w| {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(w);
+            u64::from(u64::from_ne_bytes(word).count_ones())
+        })
+        .sum::<u64>()
+        + tail
 }
 
 /// The ids issued in one window of time.
@@ -210,7 +248,7 @@ impl IssuedFilter {
                 // under twice `fp_rate` however many parts it grows.
                 let fp_rate = part_fp_rate(self.settings.fp_rate, generation.parts.len());
                 match Bloom::new_for_fp_rate(self.settings.capacity, fp_rate) {
-                    Ok(bloom) => generation.parts.push(Part { bloom, items: 0 }),
+                    Ok(bloom) => generation.parts.push(Part::new(bloom)),
                     Err(e) => {
                         if !self.broken.swap(true, Ordering::Relaxed) {
                             tracing::error!(
@@ -333,8 +371,9 @@ impl IssuedFilter {
 
     /// Drops generations wholly older than the horizon and updates the
     /// gauges (fill ratio of the fullest filter, estimated false-positive
-    /// rate of the worst generation, ids held).
-    pub fn maintain(&self, now_ms: i64) {
+    /// rate of the worst generation, ids held). Returns how many filters had
+    /// their bits counted: only those that took ids since their last count.
+    pub fn maintain(&self, now_ms: i64) -> usize {
         let oldest = self.window(now_ms.saturating_sub(self.horizon_ms));
         self.generations
             .write()
@@ -346,12 +385,13 @@ impl IssuedFilter {
             .prune(now_ms.saturating_sub(self.horizon_ms));
         // Counting bits takes a moment: under the read lock, so checks go on.
         let gens = self.generations.read().unwrap_or_else(|p| p.into_inner());
-        let (mut fill, mut fp, mut items) = (0.0f64, 0.0f64, 0usize);
+        let (mut fill, mut fp, mut items, mut recounted) = (0.0f64, 0.0f64, 0usize, 0usize);
         for generation in gens.values() {
             // A lookup is refused only if no part of its generation matches.
             let mut all_miss = 1.0f64;
             for part in &generation.parts {
-                let f = part.fill_ratio();
+                let (f, counted) = part.fill_ratio();
+                recounted += usize::from(counted);
                 fill = fill.max(f);
                 let hashes = i32::try_from(part.bloom.number_of_hash_functions()).unwrap_or(1);
                 all_miss *= 1.0 - f.powi(hashes);
@@ -365,6 +405,7 @@ impl IssuedFilter {
         self.metrics
             .bloom_tokens
             .set(i64::try_from(items).unwrap_or(i64::MAX));
+        recounted
     }
 
     /// Live generations (tests and logs).
@@ -734,6 +775,44 @@ mod tests {
         assert_eq!(f.generations(), 0);
         assert_eq!(f.check(SnowflakeId(ids[0]), later), Verdict::Uncovered);
         assert_eq!(metrics.bloom_tokens.get(), 0);
+    }
+
+    #[test]
+    fn a_filter_s_bits_are_counted_again_only_after_it_took_ids() {
+        let metrics = Arc::new(Metrics::new());
+        let f = IssuedFilter::new(settings(1000), metrics.clone());
+        // Two generations: one part in the older, five in the newer.
+        f.insert_many((0..500).map(|i| id(NOW - 120_000, i).0), NOW);
+        f.insert_many((0..4500).map(|i| id(NOW - 10_000, i).0), NOW);
+        assert_eq!(f.maintain(NOW), 6);
+        let (fill, fp) = (metrics.bloom_fill_ratio.get(), metrics.bloom_fp_rate.get());
+        assert!(fill > 0.3 && fill < 0.6, "fill {fill}");
+        // Nothing new: nothing counted, the same gauges.
+        assert_eq!(f.maintain(NOW), 0);
+        assert_eq!(metrics.bloom_fill_ratio.get(), fill);
+        assert_eq!(metrics.bloom_fp_rate.get(), fp);
+        // One more id in the older generation: only its part is counted,
+        // and the gauges still see the newer generation's fuller parts.
+        f.insert(id(NOW - 120_000, 600), NOW);
+        assert_eq!(f.maintain(NOW), 1);
+        assert_eq!(metrics.bloom_fill_ratio.get(), fill);
+        assert_eq!(metrics.bloom_fp_rate.get(), fp);
+        // Filling the newer generation's last part is counted, and moves
+        // the estimated false-positive rate.
+        f.insert_many((4500..5000).map(|i| id(NOW - 10_000, i).0), NOW);
+        assert_eq!(f.maintain(NOW), 1);
+        assert!(metrics.bloom_fp_rate.get() > fp);
+        assert_eq!(metrics.bloom_tokens.get(), 5501);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn bits_counted_by_words_are_the_bits_counted_by_bytes(
+            bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..100),
+        ) {
+            let by_byte: u64 = bytes.iter().map(|b| u64::from(b.count_ones())).sum();
+            proptest::prop_assert_eq!(count_ones(&bytes), by_byte);
+        }
     }
 
     #[test]
