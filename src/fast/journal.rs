@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
+use redis::streams::{StreamAutoClaimReply, StreamId};
 use redis::Value;
 
 use super::{FastError, FastTier, Stamped};
@@ -59,6 +59,110 @@ impl From<StreamId> for JournalEntry {
             })
             .collect();
         JournalEntry { id: e.id, fields }
+    }
+}
+
+/// The entries of one `XREADGROUP` reply, read straight from the reply's
+/// value (RESP3: a map of stream to entries; RESP2: an array of
+/// `[stream, entries]`; nil: none). Each entry is `[id, fields]` (more
+/// elements, as `CLAIM` adds, are ignored); `fields` is a flat array of
+/// name and value, or a map, or nil for an entry deleted while pending
+/// (read as no fields). A value that is not a bulk string is kept as its
+/// text when it has one, as [`JournalEntry::from`] a `StreamId` does.
+/// The redis crate's `StreamReadReply` clones the whole reply, then reads
+/// it into three levels of hash maps.
+#[derive(Debug, Default)]
+struct GroupRead(Vec<JournalEntry>);
+
+impl GroupRead {
+    fn stream(&mut self, entries: Value) -> Result<(), redis::ParsingError> {
+        match entries {
+            Value::Array(entries) => {
+                self.0.reserve(entries.len());
+                for entry in entries {
+                    self.0.push(read_entry(entry)?);
+                }
+                Ok(())
+            }
+            Value::Nil => Ok(()),
+            other => Err(format!("a stream's entries: not an array: {other:?}").into()),
+        }
+    }
+}
+
+fn read_entry(entry: Value) -> Result<JournalEntry, redis::ParsingError> {
+    let Value::Array(parts) = entry else {
+        return Err(format!("a stream entry: not an array: {entry:?}").into());
+    };
+    let mut parts = parts.into_iter();
+    let (Some(id), Some(fields)) = (parts.next(), parts.next()) else {
+        return Err("a stream entry without its id and fields".to_owned().into());
+    };
+    let id: String = redis::from_redis_value(id)?;
+    let pairs: Vec<(Value, Value)> = match fields {
+        Value::Array(flat) => {
+            let mut flat = flat.into_iter();
+            let mut pairs = Vec::with_capacity(flat.len() / 2);
+            while let Some(name) = flat.next() {
+                let Some(value) = flat.next() else {
+                    return Err(format!("entry {id}: a field without its value").into());
+                };
+                pairs.push((name, value));
+            }
+            pairs
+        }
+        Value::Map(pairs) => pairs,
+        Value::Nil => Vec::new(),
+        other => return Err(format!("entry {id}: fields not an array: {other:?}").into()),
+    };
+    let mut out = HashMap::with_capacity(pairs.len());
+    for (name, value) in pairs {
+        let name: String = redis::from_redis_value(name)?;
+        let bytes = match value {
+            Value::BulkString(bytes) => Some(bytes),
+            other => redis::from_redis_value::<String>(other)
+                .ok()
+                .map(String::into_bytes),
+        };
+        // A name given twice: its last value counts, as in a map.
+        match bytes {
+            Some(bytes) => out.insert(name, bytes),
+            None => out.remove(&name),
+        };
+    }
+    Ok(JournalEntry { id, fields: out })
+}
+
+impl redis::FromRedisValue for GroupRead {
+    fn from_redis_value(v: Value) -> Result<Self, redis::ParsingError> {
+        let mut read = GroupRead::default();
+        match v {
+            Value::Nil => {}
+            Value::Map(streams) => {
+                for (_, entries) in streams {
+                    read.stream(entries)?;
+                }
+            }
+            Value::Array(streams) => {
+                for stream in streams {
+                    match stream {
+                        Value::Array(pair) if pair.len() == 2 => {
+                            if let Some(entries) = pair.into_iter().nth(1) {
+                                read.stream(entries)?;
+                            }
+                        }
+                        other => {
+                            return Err(format!(
+                                "a stream of the reply: not [name, entries]: {other:?}"
+                            )
+                            .into())
+                        }
+                    }
+                }
+            }
+            other => return Err(format!("a group read: not a map or an array: {other:?}").into()),
+        }
+        Ok(read)
     }
 }
 
@@ -302,7 +406,7 @@ impl FastTier {
             ReadFrom::OwnPending => "0",
             ReadFrom::New => ">",
         };
-        let read: StreamReadReply = self
+        let read: GroupRead = self
             .call_background("xreadgroup", |mut c| async move {
                 redis::cmd("XREADGROUP")
                     .arg("GROUP")
@@ -317,12 +421,7 @@ impl FastTier {
                     .await
             })
             .await?;
-        Ok(read
-            .keys
-            .into_iter()
-            .flat_map(|k| k.ids)
-            .map(JournalEntry::from)
-            .collect())
+        Ok(read.0)
     }
 
     /// Acknowledges and deletes entries Postgres now has (or that were set
@@ -336,5 +435,103 @@ impl FastTier {
             p.query_async::<()>(&mut c).await
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+    use redis::streams::StreamReadReply;
+    use redis::FromRedisValue;
+
+    use super::*;
+
+    fn name() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            prop::sample::select(vec!["op", "rec", "gen", "at"])
+                .prop_map(|n| Value::BulkString(n.as_bytes().to_vec())),
+            Just(Value::SimpleString("gen".to_owned())),
+        ]
+    }
+
+    fn field_value() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            4 => prop::collection::vec(any::<u8>(), 0..12).prop_map(Value::BulkString),
+            1 => "[a-z0-9]{0,6}".prop_map(Value::SimpleString),
+            1 => any::<i64>().prop_map(Value::Int),
+            1 => Just(Value::Nil),
+            1 => Just(Value::Array(vec![Value::Int(1)])),
+        ]
+    }
+
+    fn fields() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            4 => prop::collection::vec((name(), field_value()), 0..6).prop_map(|pairs| {
+                Value::Array(pairs.into_iter().flat_map(|(n, v)| [n, v]).collect())
+            }),
+            2 => prop::collection::vec((name(), field_value()), 0..6).prop_map(Value::Map),
+            1 => Just(Value::Nil),
+        ]
+    }
+
+    fn entries() -> impl Strategy<Value = Value> {
+        prop::collection::vec(("[0-9]{1,4}-[0-9]", fields()), 0..5).prop_map(|es| {
+            Value::Array(
+                es.into_iter()
+                    .map(|(id, f)| Value::Array(vec![Value::BulkString(id.into_bytes()), f]))
+                    .collect(),
+            )
+        })
+    }
+
+    /// Replies of a group read of one stream, in RESP3 and RESP2 shapes.
+    fn reply() -> impl Strategy<Value = Value> {
+        let key = || Value::BulkString(b"ledger:journal".to_vec());
+        prop_oneof![
+            1 => Just(Value::Nil),
+            3 => entries().prop_map(move |e| Value::Map(vec![(key(), e)])),
+            3 => entries().prop_map(move |e| Value::Array(vec![Value::Array(vec![key(), e])])),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2_000))]
+        #[test]
+        fn a_group_read_reads_what_the_crate_s_stream_reply_reads(v in reply()) {
+            let ours = GroupRead::from_redis_value(v.clone());
+            prop_assert!(ours.is_ok(), "{v:?}: {ours:?}");
+            let ours = ours.map(|r| r.0).unwrap_or_default();
+            if let Ok(theirs) = StreamReadReply::from_redis_value(v.clone()) {
+                let theirs: Vec<JournalEntry> = theirs
+                    .keys
+                    .into_iter()
+                    .flat_map(|k| k.ids)
+                    .map(JournalEntry::from)
+                    .collect();
+                prop_assert_eq!(ours, theirs, "{:?}", v);
+            }
+        }
+    }
+
+    #[test]
+    fn a_group_read_refuses_what_is_not_a_reply() {
+        for v in [
+            Value::Int(3),
+            Value::Array(vec![Value::Int(3)]),
+            Value::Map(vec![(Value::Nil, Value::Int(1))]),
+            Value::Array(vec![Value::Array(vec![
+                Value::BulkString(b"k".to_vec()),
+                Value::Array(vec![Value::Array(vec![Value::BulkString(b"1-0".to_vec())])]),
+            ])]),
+            Value::Map(vec![(
+                Value::Nil,
+                Value::Array(vec![Value::Array(vec![
+                    Value::BulkString(b"1-0".to_vec()),
+                    Value::Array(vec![Value::BulkString(b"op".to_vec())]),
+                ])]),
+            )]),
+        ] {
+            assert!(GroupRead::from_redis_value(v.clone()).is_err(), "{v:?}");
+        }
     }
 }
