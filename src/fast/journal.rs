@@ -85,14 +85,16 @@ impl GroupRead {
                 Ok(())
             }
             Value::Nil => Ok(()),
-            other => Err(format!("a stream's entries: not an array: {other:?}").into()),
+            other => {
+                Err(format!("a stream's entries: {} instead of an array", kind(&other)).into())
+            }
         }
     }
 }
 
 fn read_entry(entry: Value) -> Result<JournalEntry, redis::ParsingError> {
     let Value::Array(parts) = entry else {
-        return Err(format!("a stream entry: not an array: {entry:?}").into());
+        return Err(format!("a stream entry: {} instead of an array", kind(&entry)).into());
     };
     let mut parts = parts.into_iter();
     let (Some(id), Some(fields)) = (parts.next(), parts.next()) else {
@@ -113,7 +115,9 @@ fn read_entry(entry: Value) -> Result<JournalEntry, redis::ParsingError> {
         }
         Value::Map(pairs) => pairs,
         Value::Nil => Vec::new(),
-        other => return Err(format!("entry {id}: fields not an array: {other:?}").into()),
+        other => {
+            return Err(format!("entry {id}'s fields: {} instead of an array", kind(&other)).into())
+        }
     };
     let mut out = HashMap::with_capacity(pairs.len());
     for (name, value) in pairs {
@@ -131,6 +135,25 @@ fn read_entry(entry: Value) -> Result<JournalEntry, redis::ParsingError> {
         };
     }
     Ok(JournalEntry { id, fields: out })
+}
+
+/// What a value that was not expected is, for an error message: never the
+/// value itself, which may hold token texts.
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Nil => "nil",
+        Value::Int(_) => "an integer",
+        Value::BulkString(_) => "a bulk string",
+        Value::Array(_) => "an array",
+        Value::SimpleString(_) => "a simple string",
+        Value::Okay => "OK",
+        Value::Map(_) => "a map",
+        Value::Set(_) => "a set",
+        Value::Double(_) => "a double",
+        Value::Boolean(_) => "a boolean",
+        Value::ServerError(_) => "an error",
+        _ => "another type",
+    }
 }
 
 impl redis::FromRedisValue for GroupRead {
@@ -153,14 +176,15 @@ impl redis::FromRedisValue for GroupRead {
                         }
                         other => {
                             return Err(format!(
-                                "a stream of the reply: not [name, entries]: {other:?}"
+                                "a stream of the reply: {} instead of [name, entries]",
+                                kind(&other)
                             )
                             .into())
                         }
                     }
                 }
             }
-            other => return Err(format!("a group read: not a map or an array: {other:?}").into()),
+            other => return Err(format!("a group read: {} instead of a map", kind(&other)).into()),
         }
         Ok(read)
     }
