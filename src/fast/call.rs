@@ -17,7 +17,10 @@ use crate::fast::breaker::Failure;
 /// buffer, where `ScriptInvocation` allocates each on its own and copies
 /// them all into such a command. Sent by [`run_script`].
 pub(super) fn evalsha(script: &redis::Script, keys: usize) -> redis::Cmd {
-    let mut cmd = redis::cmd("EVALSHA");
+    // Room for a consume's arguments and its journal entry, made once
+    // instead of grown argument by argument.
+    let mut cmd = redis::Cmd::with_capacity(32, 1024);
+    cmd.arg("EVALSHA");
     cmd.arg(script.get_hash()).arg(keys);
     cmd
 }

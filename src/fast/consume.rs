@@ -341,8 +341,7 @@ impl FastTier {
                 fresh_owner.as_str()
             }
         };
-        let (key, journal_key, dataset_key, dataset) =
-            (&key, &journal_key, &dataset_key, dataset.as_str());
+        let (key, dataset) = (&key, dataset.as_str());
         let create_at = key_args
             .create_at_gen
             .map(|g| g.to_string())

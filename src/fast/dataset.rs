@@ -69,8 +69,8 @@ impl EntryId {
 }
 
 impl FastTier {
-    pub fn dataset_key(&self) -> String {
-        format!("{}dataset", self.settings.key_prefix)
+    pub fn dataset_key(&self) -> &str {
+        &self.dataset_key
     }
 
     /// Whether scripts and journal reads check the dataset: on a standalone
@@ -83,7 +83,7 @@ impl FastTier {
     /// member that ends an episode, inside the Postgres transaction that
     /// records it).
     pub async fn write_dataset(&self, dataset: Uuid) -> Result<(), FastError> {
-        let key = &self.dataset_key();
+        let key = self.dataset_key();
         let id = dataset.to_string();
         let id = id.as_str();
         self.call_background("dataset", |mut c| async move {
@@ -100,7 +100,7 @@ impl FastTier {
     /// `agreed` (read in one `MULTI`, so that a restart cannot fall between
     /// them).
     pub async fn journal_state(&self, agreed: Option<Uuid>) -> Result<JournalState, FastError> {
-        let (dataset_key, journal_key) = (&self.dataset_key(), &self.journal_key());
+        let (dataset_key, journal_key) = (self.dataset_key(), self.journal_key());
         let (Some(agreed), true) = (agreed, self.checks_dataset()) else {
             let (first, last): (StreamRangeReply, StreamRangeReply) = self
                 .call_background("xrange", |mut c| async move {

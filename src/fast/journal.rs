@@ -208,8 +208,8 @@ impl FastError {
 }
 
 impl FastTier {
-    pub fn journal_key(&self) -> String {
-        format!("{}journal", self.settings.key_prefix)
+    pub fn journal_key(&self) -> &str {
+        &self.journal_key
     }
 
     /// Whether scripts may append to the journal stream in the same call.
@@ -221,7 +221,7 @@ impl FastTier {
 
     /// Appends one entry to the journal stream (cluster mode, or repairs).
     pub async fn append_journal(&self, entry: &Stamped) -> Result<(), FastError> {
-        let key = &self.journal_key();
+        let key = self.journal_key();
         let fields = &entry.fields();
         self.call_background("journal", |mut c| async move {
             let mut cmd = redis::cmd("XADD");
@@ -360,7 +360,7 @@ impl FastTier {
     /// Entries in the journal stream (not yet drained into Postgres, or
     /// drained but not yet deleted).
     pub async fn journal_len(&self) -> Result<u64, FastError> {
-        let key = &self.journal_key();
+        let key = self.journal_key();
         self.call_background("xlen", |mut c| async move {
             redis::cmd("XLEN").arg(key).query_async::<u64>(&mut c).await
         })
@@ -369,7 +369,7 @@ impl FastTier {
 
     /// Creates the consumer group (and the stream) unless it exists.
     pub async fn journal_group_create(&self) -> Result<(), FastError> {
-        let key = &self.journal_key();
+        let key = self.journal_key();
         let created = self
             .call_background("xgroup", |mut c| async move {
                 redis::cmd("XGROUP")
@@ -396,7 +396,7 @@ impl FastTier {
         idle_ms: u64,
         count: usize,
     ) -> Result<Vec<JournalEntry>, FastError> {
-        let key = &self.journal_key();
+        let key = self.journal_key();
         let claimed: StreamAutoClaimReply = self
             .call_background("xautoclaim", |mut c| async move {
                 redis::cmd("XAUTOCLAIM")
@@ -425,7 +425,7 @@ impl FastTier {
         from: ReadFrom,
         count: usize,
     ) -> Result<Vec<JournalEntry>, FastError> {
-        let key = &self.journal_key();
+        let key = self.journal_key();
         let start = match from {
             ReadFrom::OwnPending => "0",
             ReadFrom::New => ">",
@@ -451,7 +451,7 @@ impl FastTier {
     /// Acknowledges and deletes entries Postgres now has (or that were set
     /// aside).
     pub async fn journal_ack(&self, ids: &[String]) -> Result<(), FastError> {
-        let key = &self.journal_key();
+        let key = self.journal_key();
         self.call_background("xack", |mut c| async move {
             let mut p = redis::pipe();
             p.cmd("XACK").arg(key).arg(GROUP).arg(ids).ignore();

@@ -120,6 +120,9 @@ pub struct FastTier {
     journal_fallback: std::sync::OnceLock<journal::JournalFallback>,
     /// How a deciding script's not-after bound is set (see `deadline`).
     deadline: deadline::Deadline,
+    /// `<prefix>journal` and `<prefix>dataset`, made once.
+    journal_key: String,
+    dataset_key: String,
 }
 
 impl std::fmt::Debug for FastTier {
@@ -140,6 +143,8 @@ impl FastTier {
         clock: Arc<dyn Clock>,
     ) -> Arc<FastTier> {
         let cluster = matches!(settings.topology, RedisTopology::Cluster(_));
+        let journal_key = format!("{}journal", settings.key_prefix);
+        let dataset_key = format!("{}dataset", settings.key_prefix);
         Arc::new(FastTier {
             health: Health::new(&settings, metrics.clone(), clock.clone()),
             clock,
@@ -160,6 +165,8 @@ impl FastTier {
             journal_backlog: Default::default(),
             journal_fallback: std::sync::OnceLock::new(),
             deadline: deadline::Deadline::new(),
+            journal_key,
+            dataset_key,
         })
     }
 }

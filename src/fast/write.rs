@@ -130,7 +130,13 @@ fn fewer_replies() -> redis::RedisError {
 
 impl FastTier {
     pub fn token_key(&self, token: &str) -> String {
-        format!("{}tok:{{{}}}", self.settings.key_prefix, token)
+        let prefix = &self.settings.key_prefix;
+        let mut key = String::with_capacity(prefix.len() + token.len() + 6);
+        key.push_str(prefix);
+        key.push_str("tok:{");
+        key.push_str(token);
+        key.push('}');
+        key
     }
 
     pub fn consumed_ttl_ms(&self) -> i64 {
@@ -504,8 +510,8 @@ impl FastTier {
             _ => String::new(),
         };
         let (timeout, deadline) = (self.settings.timeout, &self.deadline);
-        let (key, journal_key, arg) = (&self.token_key(token), &self.journal_key(), &arg);
-        let (dataset_key, dataset) = (&self.dataset_key(), dataset.as_str());
+        let (key, journal_key, arg) = (&self.token_key(token), self.journal_key(), &arg);
+        let (dataset_key, dataset) = (self.dataset_key(), dataset.as_str());
         let script = &self.scripts.fast_write;
         let append = self.journal_in_script();
         let reply: Vec<String> = self
