@@ -83,7 +83,8 @@ impl Client {
 /// The configured clients, looked up by API key, with their rate limiters.
 #[derive(Clone)]
 pub struct Clients {
-    clients: Vec<Client>,
+    /// Shared with each request that authenticates as one (no copy per request).
+    clients: Vec<Arc<Client>>,
     limiters: Arc<HashMap<String, DefaultDirectRateLimiter>>,
 }
 
@@ -107,7 +108,7 @@ impl Clients {
             })
             .collect();
         Clients {
-            clients,
+            clients: clients.into_iter().map(Arc::new).collect(),
             limiters: Arc::new(limiters),
         }
     }
@@ -126,7 +127,7 @@ impl Clients {
     /// Finds the client whose key hashes to the presented one. Every client is
     /// compared (constant time per comparison, no early exit), so timing does
     /// not reveal which prefix matched or how many clients there are before it.
-    pub fn authenticate(&self, api_key: &[u8]) -> Option<&Client> {
+    pub fn authenticate(&self, api_key: &[u8]) -> Option<&Arc<Client>> {
         let presented: [u8; 32] = Sha256::digest(api_key).into();
         let mut found = None;
         for client in &self.clients {

@@ -203,8 +203,8 @@ pub async fn observe(
     let client = || {
         res.request()
             .extensions()
-            .get::<String>()
-            .cloned()
+            .get::<extract::Caller>()
+            .map(|c| c.0.name.clone())
             .unwrap_or_default()
     };
     if status >= 500 {

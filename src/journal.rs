@@ -63,31 +63,31 @@ type DeadLetters = Vec<(usize, String)>;
 
 /// Applies a batch through `apply_all`; when Postgres refuses the batch for
 /// what it holds, applies its entries one at a time, and the ones refused
-/// alone become dead letters.
+/// alone become dead letters. Takes the items out of `items`; `apply_all`
+/// gives its batch back with its result, so no entry is copied.
 async fn apply_or_isolate<T, F, Fut>(
-    items: &[(usize, T)],
+    items: &mut Vec<(usize, T)>,
     dead: &mut DeadLetters,
     apply_all: F,
 ) -> Result<(), DurableError>
 where
-    T: Clone,
     F: Fn(Vec<T>) -> Fut,
-    Fut: std::future::Future<Output = Result<(), DurableError>>,
+    Fut: std::future::Future<Output = (Vec<T>, Result<(), DurableError>)>,
 {
     if items.is_empty() {
         return Ok(());
     }
-    let all: Vec<T> = items.iter().map(|(_, t)| t.clone()).collect();
-    match apply_all(all).await {
-        Ok(()) => return Ok(()),
-        Err(e) if refused_for_its_data(&e) => {}
-        Err(e) => return Err(e),
-    }
-    for (i, item) in items {
-        match apply_all(vec![item.clone()]).await {
+    let (indices, all): (Vec<usize>, Vec<T>) = items.drain(..).unzip();
+    let all = match apply_all(all).await {
+        (_, Ok(())) => return Ok(()),
+        (all, Err(e)) if refused_for_its_data(&e) => all,
+        (_, Err(e)) => return Err(e),
+    };
+    for (i, item) in indices.into_iter().zip(all) {
+        match apply_all(vec![item]).await.1 {
             Ok(()) => {}
             Err(e) if refused_for_its_data(&e) => {
-                dead.push((*i, crate::telemetry::error_chain(&e)));
+                dead.push((i, crate::telemetry::error_chain(&e)));
             }
             Err(e) => return Err(e),
         }
@@ -105,22 +105,20 @@ async fn apply(pool: &PgPool, entries: &[JournalEntry]) -> Result<DeadLetters, D
     let mut current: Vec<(usize, versioned::Entry)> = Vec::new();
     let mut run: Vec<(usize, JournalConsume)> = Vec::new();
     let consumes = |batch: Vec<JournalConsume>| async move {
-        tokens::apply_journal_consumes(pool, &batch)
-            .await
-            .map(|_| ())
+        let applied = tokens::apply_journal_consumes(pool, &batch).await;
+        (batch, applied.map(|_| ()))
     };
     let versioned = |batch: Vec<versioned::Entry>| async move {
-        versioned::apply(pool, &batch).await.map(|_| ())
+        let applied = versioned::apply(pool, &batch).await;
+        (batch, applied.map(|_| ()))
     };
     for (i, e) in entries.iter().enumerate() {
         let entry = parse(e);
         if !matches!(entry, Entry::Versioned(_) | Entry::Bad(_)) {
-            apply_or_isolate(&current, &mut dead, versioned).await?;
-            current.clear();
+            apply_or_isolate(&mut current, &mut dead, versioned).await?;
         }
         if !matches!(entry, Entry::Consume(_) | Entry::Bad(_)) {
-            apply_or_isolate(&run, &mut dead, consumes).await?;
-            run.clear();
+            apply_or_isolate(&mut run, &mut dead, consumes).await?;
         }
         match entry {
             Entry::Versioned(v) => current.push((i, v)),
@@ -130,21 +128,21 @@ async fn apply(pool: &PgPool, entries: &[JournalEntry]) -> Result<DeadLetters, D
                 dead.push((i, why.to_owned()));
             }
             Entry::Result { id, result } => {
-                apply_or_isolate(&[(i, ())], &mut dead, |_| async {
-                    tokens::set_result(pool, id, &result).await.map(|_| ())
+                apply_or_isolate(&mut vec![(i, ())], &mut dead, |one| async {
+                    (one, tokens::set_result(pool, id, &result).await.map(|_| ()))
                 })
                 .await?;
             }
             Entry::Release { id } => {
-                apply_or_isolate(&[(i, ())], &mut dead, |_| async move {
-                    tokens::release(pool, id).await.map(|_| ())
+                apply_or_isolate(&mut vec![(i, ())], &mut dead, |one| async move {
+                    (one, tokens::release(pool, id).await.map(|_| ()))
                 })
                 .await?;
             }
         }
     }
-    apply_or_isolate(&run, &mut dead, consumes).await?;
-    apply_or_isolate(&current, &mut dead, versioned).await?;
+    apply_or_isolate(&mut run, &mut dead, consumes).await?;
+    apply_or_isolate(&mut current, &mut dead, versioned).await?;
     Ok(dead)
 }
 

@@ -6,6 +6,8 @@
 //! `postgres.read_url`'s replica says how old its data may be
 //! ([`DATA_LAG`]).
 
+use std::sync::Arc;
+
 use actix_web::dev::Payload;
 use actix_web::{web, FromRequest, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};
@@ -22,7 +24,7 @@ use crate::auth::{Client, Role};
 use crate::domain::Reason;
 use crate::reconcile;
 
-fn authorize(req: &HttpRequest, allowed: &[Role]) -> Result<Client, ApiError> {
+fn authorize(req: &HttpRequest, allowed: &[Role]) -> Result<Arc<Client>, ApiError> {
     let Caller(client) = Caller::from_request(req, &mut Payload::None).into_inner()?;
     if allowed.contains(&client.role) {
         Ok(client)
@@ -54,7 +56,7 @@ pub(super) fn read_answer<T: serde::Serialize>(
 /// A caller with the admin or auditor role, for the admin reads (401, then
 /// 403). Each read is logged with the client and what it read.
 #[derive(Debug)]
-pub struct ReaderCaller(pub Client);
+pub struct ReaderCaller(pub Arc<Client>);
 
 impl FromRequest for ReaderCaller {
     type Error = ApiError;
@@ -99,7 +101,7 @@ fn path_args<'a>(args: impl Iterator<Item = (&'a str, &'a str)>) -> String {
 
 /// A caller with the admin role (401, then 403).
 #[derive(Debug)]
-pub struct AdminCaller(pub Client);
+pub struct AdminCaller(pub Arc<Client>);
 
 impl FromRequest for AdminCaller {
     type Error = ApiError;
@@ -111,7 +113,7 @@ impl FromRequest for AdminCaller {
 
 /// A caller with the admin or reconciler role (401, then 403).
 #[derive(Debug)]
-pub struct ReconcilerCaller(pub Client);
+pub struct ReconcilerCaller(pub Arc<Client>);
 
 impl FromRequest for ReconcilerCaller {
     type Error = ApiError;

@@ -5,6 +5,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use actix_web::dev::Payload;
 use actix_web::http::header;
@@ -18,7 +19,7 @@ use crate::auth::Client;
 
 /// The authenticated client.
 #[derive(Debug, Clone)]
-pub struct Caller(pub Client);
+pub struct Caller(pub Arc<Client>);
 
 impl FromRequest for Caller {
     type Error = ApiError;
@@ -46,7 +47,8 @@ fn authenticate(req: &HttpRequest) -> Result<Caller, ApiError> {
         .clients
         .authenticate(key)
         .ok_or_else(ApiError::unauthorized)?;
-    req.extensions_mut().insert(client.name.clone());
+    // For the request's log line (`crate::http`).
+    req.extensions_mut().insert(Caller(client.clone()));
     if let Err(wait) = state.clients.admit(client) {
         state
             .ledger
