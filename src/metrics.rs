@@ -538,7 +538,14 @@ impl Metrics {
     /// Counts one event for the fleet-wide stats.
     pub fn stat(&self, biz_type: &str, stat: Stat) {
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        let c = pending.entry(biz_type.to_owned()).or_default();
+        // The biz type's name is copied only the first time it is counted
+        // since the last flush.
+        if !pending.contains_key(biz_type) {
+            pending.insert(biz_type.to_owned(), StatCounts::default());
+        }
+        let Some(c) = pending.get_mut(biz_type) else {
+            return;
+        };
         match stat {
             Stat::Issued => c.issued += 1,
             Stat::Consumed => c.consumed += 1,

@@ -194,7 +194,7 @@ impl Verifier {
         TokenRecord {
             id: c.id.as_i64(),
             token: token.text.clone(),
-            biz_type: c.biz_type.to_string(),
+            biz_type: c.biz_type.as_str().to_owned(),
             durability,
             subject: subject.as_str().to_owned(),
             client: caller.name.clone(),
