@@ -34,6 +34,18 @@ pub enum Stat {
     Invalid,
 }
 
+impl StatCounts {
+    fn add(&mut self, stat: Stat) {
+        match stat {
+            Stat::Issued => self.issued += 1,
+            Stat::Consumed => self.consumed += 1,
+            Stat::Duplicate => self.duplicates += 1,
+            Stat::Expired => self.expired += 1,
+            Stat::Invalid => self.invalid += 1,
+        }
+    }
+}
+
 pub struct Metrics {
     pub registry: Registry,
     pub tokens_issued: IntCounterVec,
@@ -540,18 +552,13 @@ impl Metrics {
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         // The biz type's name is copied only the first time it is counted
         // since the last flush.
-        if !pending.contains_key(biz_type) {
-            pending.insert(biz_type.to_owned(), StatCounts::default());
-        }
-        let Some(c) = pending.get_mut(biz_type) else {
-            return;
-        };
-        match stat {
-            Stat::Issued => c.issued += 1,
-            Stat::Consumed => c.consumed += 1,
-            Stat::Duplicate => c.duplicates += 1,
-            Stat::Expired => c.expired += 1,
-            Stat::Invalid => c.invalid += 1,
+        match pending.get_mut(biz_type) {
+            Some(c) => c.add(stat),
+            None => {
+                let mut c = StatCounts::default();
+                c.add(stat);
+                pending.insert(biz_type.to_owned(), c);
+            }
         }
     }
 
@@ -653,5 +660,45 @@ impl Collector for OnScrape {
     fn collect(&self) -> Vec<MetricFamily> {
         self.refresh_if_due();
         self.gauges.iter().flat_map(|g| g.collect()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_count_each_event_under_its_biz_type_until_taken() {
+        let m = Metrics::new();
+        for (biz, stat) in [
+            ("order", Stat::Issued),
+            ("order", Stat::Consumed),
+            ("refund", Stat::Duplicate),
+            ("order", Stat::Consumed),
+            ("refund", Stat::Expired),
+            ("refund", Stat::Invalid),
+        ] {
+            m.stat(biz, stat);
+        }
+        let taken = m.take_stats();
+        assert_eq!(
+            taken.get("order"),
+            Some(&StatCounts {
+                issued: 1,
+                consumed: 2,
+                ..StatCounts::default()
+            })
+        );
+        assert_eq!(
+            taken.get("refund"),
+            Some(&StatCounts {
+                duplicates: 1,
+                expired: 1,
+                invalid: 1,
+                ..StatCounts::default()
+            })
+        );
+        assert_eq!(taken.len(), 2);
+        assert!(m.take_stats().is_empty());
     }
 }

@@ -46,17 +46,23 @@ impl JournalEntry {
     }
 }
 
+/// A field's value as bytes: a bulk string as it is, another value as its
+/// text when it has one; `None` (the field is left out) otherwise.
+fn field_bytes(value: Value) -> Option<Vec<u8>> {
+    match value {
+        Value::BulkString(bytes) => Some(bytes),
+        other => redis::from_redis_value::<String>(other)
+            .ok()
+            .map(String::into_bytes),
+    }
+}
+
 impl From<StreamId> for JournalEntry {
     fn from(e: StreamId) -> JournalEntry {
         let fields = e
             .map
             .into_iter()
-            .filter_map(|(k, v)| match v {
-                Value::BulkString(bytes) => Some((k, bytes)),
-                other => redis::from_redis_value::<String>(other)
-                    .ok()
-                    .map(|s| (k, s.into_bytes())),
-            })
+            .filter_map(|(k, v)| Some((k, field_bytes(v)?)))
             .collect();
         JournalEntry { id: e.id, fields }
     }
@@ -67,8 +73,8 @@ impl From<StreamId> for JournalEntry {
 /// `[stream, entries]`; nil: none). Each entry is `[id, fields]` (more
 /// elements, as `CLAIM` adds, are ignored); `fields` is a flat array of
 /// name and value, or a map, or nil for an entry deleted while pending
-/// (read as no fields). A value that is not a bulk string is kept as its
-/// text when it has one, as [`JournalEntry::from`] a `StreamId` does.
+/// (read as no fields). Values are read by [`field_bytes`], as
+/// [`JournalEntry::from`] a `StreamId` reads them.
 /// The redis crate's `StreamReadReply` clones the whole reply, then reads
 /// it into three levels of hash maps.
 #[derive(Debug, Default)]
@@ -122,14 +128,8 @@ fn read_entry(entry: Value) -> Result<JournalEntry, redis::ParsingError> {
     let mut out = HashMap::with_capacity(pairs.len());
     for (name, value) in pairs {
         let name: String = redis::from_redis_value(name)?;
-        let bytes = match value {
-            Value::BulkString(bytes) => Some(bytes),
-            other => redis::from_redis_value::<String>(other)
-                .ok()
-                .map(String::into_bytes),
-        };
         // A name given twice: its last value counts, as in a map.
-        match bytes {
+        match field_bytes(value) {
             Some(bytes) => out.insert(name, bytes),
             None => out.remove(&name),
         };
