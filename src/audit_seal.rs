@@ -41,25 +41,33 @@
 //!   exactly one checkpoint once sealed, and ids lost to rolled-back
 //!   transactions need no record.
 //! - **What a checkpoint proves.** Its digest chains the previous digest and
-//!   every event of its range; its MAC under a seal key covers the digest
-//!   and its own fields (id, time, range, count, previous digest, key id).
+//!   every event of its range (version 2, since V22: per partition of
+//!   `audit_events`, see [`chain`]); its MAC under a seal key covers the
+//!   digest and its own fields (version, id, time, range, count, previous
+//!   digest, key id).
 //!   Changing, removing or adding an event in a sealed range, or a
 //!   checkpoint, without the seal key shows in `audit verify`. Removing the
 //!   newest checkpoints (with their events) does not break the chain: the
 //!   last seal's id and time are exported
 //!   (`ledger_audit_last_seal_timestamp_seconds`, the console) so that an
 //!   outside record can tell.
+//! - **A partition dropped under `audit.retention` keeps its checkpoints
+//!   verifiable** ([`retire`]): it goes only after its events verified
+//!   against every part that seals them, with a retirement under the seal
+//!   key's MAC; the verifier takes a retired partition's parts as sealed
+//!   and recomputes the rest.
 
 pub mod chain;
+pub mod retire;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use futures_util::TryStreamExt;
 use prometheus::Gauge;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use utoipa::ToSchema;
@@ -68,7 +76,7 @@ use crate::config::{AuditSettings, SealKey};
 use crate::durable::seal::{self as sql, CheckpointRow};
 use crate::durable::DurableError;
 use crate::metrics::OnScrape;
-use chain::{Chain, MacFields, GENESIS};
+use chain::{Chain, Digest, MacFields, Part, Parts, RetirementFields, Version, GENESIS};
 
 /// The most events one checkpoint seals; a pass with more writes several
 /// checkpoints (each one transaction of bounded length).
@@ -334,14 +342,14 @@ impl Seals {
             })?,
             None => GENESIS,
         };
-        let mut chain = Chain::new(&prev);
+        let mut parts = Parts::new();
         {
             let mut rows = sql::events(&mut *tx, after, ceiling, MAX_EVENTS_PER_CHECKPOINT);
             while let Some(e) = rows.try_next().await? {
-                chain.push(&e);
+                parts.push(&e);
             }
         }
-        let sealed = chain.finish();
+        let (parts, sealed) = parts.finish(&prev);
         let (Some(first), Some(last_id)) = (sealed.first_event_id, sealed.last_event_id) else {
             // Every id up to the ceiling was rolled back: nothing to seal.
             return Ok(One::Done);
@@ -351,6 +359,7 @@ impl Seals {
         })?;
         let (id, sealed_at) = sql::next_checkpoint_id(&mut tx).await?;
         let fields = MacFields {
+            version: Version::ByPartition,
             id,
             sealed_at,
             first_event_id: first,
@@ -370,6 +379,8 @@ impl Seals {
             digest: hex::encode(sealed.digest),
             key_id: key.id.clone(),
             mac: hex::encode(fields.mac(&key.secret)),
+            version: Version::ByPartition.as_i16(),
+            parts: Some(parts_json(&parts)),
         };
         sql::insert_checkpoint(&mut tx, &row).await?;
         tx.commit().await?;
@@ -405,6 +416,7 @@ impl Seals {
             unsealed_events: 0,
             mismatches: Vec::new(),
         };
+        let retired = trusted_retirements(&sql::retirements(&self.pool).await?, &keys);
         let start = match since {
             None => Some(i64::MIN),
             Some(t) => sql::first_checkpoint_since(&self.pool, t).await?,
@@ -428,7 +440,7 @@ impl Seals {
                 let Some(tail) = page.last() else { break };
                 from = tail.id.saturating_add(1);
                 for c in page {
-                    let (events, mismatch) = self.check(&c, prev.as_ref(), &keys).await?;
+                    let (events, mismatch) = self.check(&c, prev.as_ref(), &keys, &retired).await?;
                     report.checkpoints += 1;
                     report.events += events;
                     report.mismatches.extend(mismatch);
@@ -445,21 +457,36 @@ impl Seals {
     }
 
     /// One checkpoint against its predecessor: key, MAC, link, then its
-    /// events recomputed. Returns the events counted and the first problem.
+    /// events recomputed (a version 2 checkpoint's parts: each one of a
+    /// partition in `retired` as sealed). Returns the events counted and the
+    /// first problem.
     async fn check(
         &self,
         c: &CheckpointRow,
         prev: Option<&CheckpointRow>,
         keys: &HashMap<&str, &[u8]>,
+        retired: &HashSet<String>,
     ) -> Result<(i64, Option<Mismatch>), DurableError> {
         let after = prev.map(|p| p.last_event_id);
-        let mut chain = Chain::new(&chain::parse_hex32(&c.prev_digest).unwrap_or(GENESIS));
+        let prev_digest = chain::parse_hex32(&c.prev_digest).unwrap_or(GENESIS);
+        let version = Version::from_i16(c.version);
+        let mut flat = Chain::new(&prev_digest);
+        let mut parts = Parts::new();
         let mut rows = sql::events(&self.pool, after, c.last_event_id, i64::MAX);
         while let Some(e) = rows.try_next().await? {
-            chain.push(&e);
+            match version {
+                Some(Version::ByPartition) => parts.push(&e),
+                _ => flat.push(&e),
+            }
         }
         drop(rows);
-        let got = chain.finish();
+        let (found, got) = match version {
+            Some(Version::ByPartition) => {
+                let (found, got) = parts.finish(&prev_digest);
+                (Some(found), got)
+            }
+            _ => (None, flat.finish()),
+        };
         if let Some(m) = check_mac(c, keys) {
             return Ok((got.events, Some(m)));
         }
@@ -476,6 +503,14 @@ impl Seals {
             };
             return Ok((got.events, Some(mismatch(c, Problem::Chain, message))));
         }
+        let range = match after {
+            Some(a) => format!("ids {} to {}", a + 1, c.last_event_id),
+            None => format!("ids up to {}", c.last_event_id),
+        };
+        if let Some(found) = found {
+            let problem = check_parts(c, &prev_digest, &range, &found, retired);
+            return Ok((got.events, problem));
+        }
         let matches = hex::encode(got.digest) == c.digest
             && got.events == c.events
             && got.first_event_id == Some(c.first_event_id)
@@ -483,10 +518,6 @@ impl Seals {
         if matches {
             return Ok((got.events, None));
         }
-        let range = match after {
-            Some(a) => format!("ids {} to {}", a + 1, c.last_event_id),
-            None => format!("ids up to {}", c.last_event_id),
-        };
         let message = if got.events < c.events {
             format!(
                 "{} event(s) of its range ({range}) are gone: {} sealed, {} found (deleted)",
@@ -551,7 +582,15 @@ fn check_mac(c: &CheckpointRow, keys: &HashMap<&str, &[u8]>) -> Option<Mismatch>
             "its digests or mac are not 64 hex digits".to_owned(),
         ));
     };
+    let Some(version) = Version::from_i16(c.version) else {
+        return Some(mismatch(
+            c,
+            Problem::Mac,
+            format!("its version {} is none this ledger writes", c.version),
+        ));
+    };
     let fields = MacFields {
+        version,
         id: c.id,
         sealed_at: c.sealed_at,
         first_event_id: c.first_event_id,
@@ -573,6 +612,142 @@ fn check_mac(c: &CheckpointRow, keys: &HashMap<&str, &[u8]>) -> Option<Mismatch>
             ),
         ))
     }
+}
+
+/// A version 2 checkpoint's parts as stored in `audit_checkpoints.parts`.
+#[derive(Debug, Serialize, Deserialize)]
+struct StoredPart {
+    partition: String,
+    events: i64,
+    digest: String,
+}
+
+/// The parts as `audit_checkpoints.parts` stores them (jsonb's text).
+fn parts_json(parts: &[Part]) -> String {
+    let stored: Vec<StoredPart> = parts
+        .iter()
+        .map(|p| StoredPart {
+            partition: p.partition.clone(),
+            events: p.events,
+            digest: hex::encode(p.digest),
+        })
+        .collect();
+    // Strings and integers only: serialising cannot fail.
+    serde_json::to_string(&stored).unwrap_or_else(|_| "[]".to_owned())
+}
+
+/// The parts of a stored checkpoint, in their stored order; `None` when
+/// they are not the stored form (changed by hand).
+fn parse_parts(text: &str) -> Option<Vec<Part>> {
+    let stored: Vec<StoredPart> = serde_json::from_str(text).ok()?;
+    stored
+        .into_iter()
+        .map(|p| {
+            Some(Part {
+                digest: chain::parse_hex32(&p.digest)?,
+                partition: p.partition,
+                events: p.events,
+            })
+        })
+        .collect()
+}
+
+/// The partitions whose retirement's MAC verifies under its key: only
+/// those are taken as dropped on purpose.
+fn trusted_retirements(
+    rows: &[sql::RetirementRow],
+    keys: &HashMap<&str, &[u8]>,
+) -> HashSet<String> {
+    rows.iter()
+        .filter(|r| {
+            let (Some(secret), Some(tag)) =
+                (keys.get(r.key_id.as_str()), chain::parse_hex32(&r.mac))
+            else {
+                return false;
+            };
+            RetirementFields {
+                partition: &r.partition,
+                retired_at: r.retired_at,
+                events: r.events,
+                checkpoints: r.checkpoints,
+                key_id: &r.key_id,
+            }
+            .verify(secret, &tag)
+        })
+        .map(|r| r.partition.clone())
+        .collect()
+}
+
+/// A version 2 checkpoint's parts against the events found in its range
+/// (`found`, chained per partition): the parts must hash to its digest and
+/// add up to its count, and each part must match its partition's events,
+/// unless the partition is retired and holds none of them any more.
+fn check_parts(
+    c: &CheckpointRow,
+    prev: &Digest,
+    range: &str,
+    found: &[Part],
+    retired: &HashSet<String>,
+) -> Option<Mismatch> {
+    let Some(sealed) = c.parts.as_deref().and_then(parse_parts) else {
+        return Some(mismatch(
+            c,
+            Problem::Mac,
+            "its parts are not readable: the checkpoint was changed".to_owned(),
+        ));
+    };
+    let total: i64 = sealed.iter().map(|p| p.events).sum();
+    if hex::encode(chain::parts_digest(prev, &sealed)) != c.digest || total != c.events {
+        return Some(mismatch(
+            c,
+            Problem::Mac,
+            "its parts do not hash to its digest and count: the checkpoint was changed".to_owned(),
+        ));
+    }
+    let by_name: HashMap<&str, &Part> = found.iter().map(|p| (p.partition.as_str(), p)).collect();
+    for s in &sealed {
+        let message = match by_name.get(s.partition.as_str()) {
+            Some(f) if f.events == s.events && f.digest == s.digest => continue,
+            None if retired.contains(&s.partition) => continue,
+            None => format!(
+                "the {} event(s) it sealed in partition {} ({range}) are gone, and no retirement (with a MAC that verifies) records the partition's drop",
+                s.events, s.partition
+            ),
+            Some(f) if f.events < s.events => format!(
+                "{} event(s) of partition {} in its range ({range}) are gone: {} sealed, {} found (deleted)",
+                s.events - f.events,
+                s.partition,
+                s.events,
+                f.events
+            ),
+            Some(f) if f.events > s.events => format!(
+                "{} event(s) more in partition {} in its range ({range}) than it sealed: {} sealed, {} found (inserted)",
+                f.events - s.events,
+                s.partition,
+                s.events,
+                f.events
+            ),
+            Some(_) => format!(
+                "the {} event(s) of partition {} in its range ({range}) no longer hash to its part (an event edited, or one deleted and another inserted)",
+                s.events, s.partition
+            ),
+        };
+        return Some(mismatch(c, Problem::Events, message));
+    }
+    let sealed_names: HashSet<&str> = sealed.iter().map(|p| p.partition.as_str()).collect();
+    found
+        .iter()
+        .find(|f| !sealed_names.contains(f.partition.as_str()))
+        .map(|f| {
+            mismatch(
+                c,
+                Problem::Events,
+                format!(
+                    "{} event(s) in partition {} in its range ({range}), which it did not seal (inserted)",
+                    f.events, f.partition
+                ),
+            )
+        })
 }
 
 /// `ledger_audit_last_seal_timestamp_seconds`: when the newest checkpoint was

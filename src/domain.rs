@@ -207,10 +207,13 @@ pub enum AuditKind {
     /// An operator accepted that a silent fleet member's Redis decisions
     /// are lost (`fleet forget-silent --accept-lost-decisions`).
     FleetForgotten,
+    /// A day partition of audit events was dropped under `audit.retention`,
+    /// after its events verified against their sealed checkpoints.
+    AuditRetired,
 }
 
 impl AuditKind {
-    pub const ALL: [AuditKind; 16] = [
+    pub const ALL: [AuditKind; 17] = [
         AuditKind::TokenIssued,
         AuditKind::TokenConsumed,
         AuditKind::TokenReleased,
@@ -227,6 +230,7 @@ impl AuditKind {
         AuditKind::TokenUncertain,
         AuditKind::KeyUncertain,
         AuditKind::FleetForgotten,
+        AuditKind::AuditRetired,
     ];
 
     /// The label in SQL, JSON and on the command line.
@@ -248,6 +252,7 @@ impl AuditKind {
             AuditKind::TokenUncertain => "token.uncertain",
             AuditKind::KeyUncertain => "key.uncertain",
             AuditKind::FleetForgotten => "fleet.forgotten",
+            AuditKind::AuditRetired => "audit.retired",
         }
     }
 
@@ -332,6 +337,7 @@ mod tests {
             include_str!("../migrations/V6__client_keys.sql"),
             include_str!("../migrations/V11__conflict_and_uncertain_kinds.sql"),
             include_str!("../migrations/V18__fleet_forgotten_audit.sql"),
+            include_str!("../migrations/V22__audit_by_token_day.sql"),
         ];
         labels.extend(added.iter().flat_map(|m| m.lines()).filter_map(|l| {
             l.strip_prefix("ALTER TYPE audit_kind ADD VALUE IF NOT EXISTS '")?

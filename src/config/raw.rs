@@ -34,6 +34,9 @@ pub(super) struct Raw {
 pub(super) struct RawAudit {
     pub(super) seal_every: String,
     pub(super) seal_keys: Vec<RawKey>,
+    /// Unset: audit events are kept for ever.
+    #[serde(default)]
+    pub(super) retention: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

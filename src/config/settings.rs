@@ -98,6 +98,9 @@ pub struct AuditSettings {
     /// The first seals new checkpoints; every one verifies (rotation, as
     /// `tokens.signing_keys`).
     pub seal_keys: Vec<SealKey>,
+    /// How long the audit events of a day's tokens are kept after the
+    /// newest of them; `None`: for ever. At least `tokens.retention`.
+    pub retention: Option<Duration>,
 }
 
 /// A key that authenticates audit checkpoints (HMAC-SHA256). Its own type,

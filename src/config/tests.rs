@@ -257,3 +257,29 @@ fn processing_leases_parse_and_bad_ones_are_named() {
     .unwrap_err();
     assert!(err.to_string().contains("on_lease_expiry"), "{err}");
 }
+
+#[test]
+fn audit_retention_is_for_ever_unless_set_and_never_shorter_than_the_tokens() {
+    let s = Settings::load_with_env(None, Vec::new()).expect("defaults");
+    assert_eq!(s.audit.retention, None, "audit is kept for ever by default");
+    let s = Settings::load_with_env(
+        None,
+        vec![("LEDGER__AUDIT__RETENTION".into(), "400d".into())],
+    )
+    .expect("valid");
+    assert_eq!(s.audit.retention, Some(Duration::from_secs(400 * 86_400)));
+    for (retention, tokens) in [("6d", "7d"), ("12h", "1h"), ("soon", "7d")] {
+        let err = Settings::load_with_env(
+            None,
+            vec![
+                ("LEDGER__AUDIT__RETENTION".into(), retention.into()),
+                ("LEDGER__TOKENS__RETENTION".into(), tokens.into()),
+            ],
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("audit.retention"),
+            "{retention}: {err}"
+        );
+    }
+}

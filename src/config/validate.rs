@@ -67,7 +67,9 @@ impl RawBloom {
 }
 
 impl RawAudit {
-    pub(super) fn validate(self) -> Result<AuditSettings, ConfigError> {
+    /// `tokens_retention`: the audit of a token is kept at least as long as
+    /// the token itself.
+    pub(super) fn validate(self, tokens_retention: Duration) -> Result<AuditSettings, ConfigError> {
         let seal_every = parse_duration("audit.seal_every", &self.seal_every)?;
         if seal_every < Duration::from_millis(100) || seal_every > Duration::from_secs(86_400) {
             return Err(invalid(
@@ -85,9 +87,23 @@ impl RawAudit {
             .into_iter()
             .map(|(id, secret)| SealKey { id, secret })
             .collect();
+        let retention = match self.retention.as_deref() {
+            None => None,
+            Some(text) => {
+                let r = parse_duration("audit.retention", text)?;
+                if r < tokens_retention.max(Duration::from_secs(86_400)) {
+                    return Err(invalid(
+                        "audit.retention",
+                        "must be at least tokens.retention and at least 1d, e.g. 400d (leave it out to keep audit events for ever)",
+                    ));
+                }
+                Some(r)
+            }
+        };
         Ok(AuditSettings {
             seal_every,
             seal_keys,
+            retention,
         })
     }
 }
@@ -609,7 +625,7 @@ impl Raw {
         };
         let bloom = self.bloom.validate(tokens.retention)?;
         let limits = self.limits.validate()?;
-        let audit = self.audit.validate()?;
+        let audit = self.audit.validate(tokens.retention)?;
         let biz = validate_biz(self.biz)?;
         let clients = validate_clients(self.clients, &biz, &limits)?;
         let reconcile = self.reconcile.validate()?;

@@ -1,9 +1,12 @@
-//! The day partitions of `tokens` (migration V16): making them ahead,
-//! listing them with their retention bound, and dropping one whole once every
-//! row in it is past retention. The bounds of a day's ids are computed in one
-//! place, the SQL function `tokens_day_first_id` of V16.
+//! The day partitions of `tokens` (migration V16) and of `audit_events`
+//! (V22): making them ahead, listing them with their retention bound, and
+//! dropping a token day whole once every row in it is past retention (an
+//! audit day's drop, verified and recorded first, is
+//! `crate::audit_seal::retire`'s; its lock and drop are here). The bounds of
+//! a day's ids are computed in one place, the SQL function
+//! `tokens_day_first_id` of V16.
 
-use sqlx::{PgPool, Row};
+use sqlx::{PgConnection, PgPool, Row};
 
 use super::reconcile::{PURGE_CONSUMED, PURGE_ISSUED};
 use super::DurableError;
@@ -87,6 +90,95 @@ fn is_day_name(name: &str) -> bool {
     name.len() == 16
         && name.starts_with("tokens_p")
         && name[8..].bytes().all(|b| b.is_ascii_digit())
+}
+
+/// The names of `audit_events`' day partitions: only these are ever put into
+/// a statement by the audit retirement.
+pub fn is_audit_day_name(name: &str) -> bool {
+    name.len() == 22
+        && name.starts_with("audit_events_p")
+        && name[14..].bytes().all(|b| b.is_ascii_digit())
+}
+
+/// One day partition of `audit_events`, `audit_events_pYYYYMMDD` (V22): the
+/// events of the tokens issued that day.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditDay {
+    pub name: String,
+    /// The day's `tokens` partition is gone (dropped under
+    /// `tokens.retention`): no token of that day can take an event any more.
+    pub tokens_gone: bool,
+    /// The end of its day plus `retention_secs` is behind Postgres's `now()`.
+    pub past_bound: bool,
+}
+
+/// The day partitions of `audit_events`, oldest first, with their bound
+/// under an audit retention of `retention_secs`.
+pub async fn audit_days(pool: &PgPool, retention_secs: f64) -> Result<Vec<AuditDay>, DurableError> {
+    let rows = sqlx::query(
+        r#"
+        SELECT c.relname::text AS name,
+               to_regclass('tokens_p' || substr(c.relname, 15)) IS NULL AS tokens_gone,
+               ((d.day + 1)::timestamp AT TIME ZONE 'UTC') + make_interval(secs => $1) < now()
+                   AS past_bound
+          FROM pg_inherits i
+          JOIN pg_class c ON c.oid = i.inhrelid
+         CROSS JOIN LATERAL (SELECT to_date(substr(c.relname, 15), 'YYYYMMDD') AS day) d
+         WHERE i.inhparent = 'audit_events'::regclass AND c.relname ~ '^audit_events_p[0-9]{8}$'
+         ORDER BY d.day
+        "#,
+    )
+    .bind(retention_secs)
+    .fetch_all(pool)
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(AuditDay {
+                name: r.try_get("name")?,
+                tokens_gone: r.try_get("tokens_gone")?,
+                past_bound: r.try_get("past_bound")?,
+            })
+        })
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(Into::into)
+}
+
+/// Locks one day partition of `audit_events` against writes for the rest of
+/// `conn`'s transaction, waiting at most `DROP_LOCK_TIMEOUT` (which then
+/// holds for the rest of the transaction, the drop included); `false` when
+/// the lock was not granted in time, or the name is not an audit day's.
+pub async fn lock_audit_day(conn: &mut PgConnection, name: &str) -> Result<bool, DurableError> {
+    if !is_audit_day_name(name) {
+        return Ok(false);
+    }
+    sqlx::query(&format!("SET LOCAL lock_timeout = '{DROP_LOCK_TIMEOUT}'"))
+        .execute(&mut *conn)
+        .await?;
+    let locked = sqlx::query(&format!("LOCK TABLE {name} IN SHARE MODE"))
+        .execute(&mut *conn)
+        .await;
+    if is_lock_timeout(&locked) {
+        return Ok(false);
+    }
+    locked?;
+    Ok(true)
+}
+
+/// Drops one day partition of `audit_events` in `conn`'s transaction (it
+/// takes `audit_events` exclusively, briefly); `false` when its lock was not
+/// granted in time.
+pub async fn drop_audit_day(conn: &mut PgConnection, name: &str) -> Result<bool, DurableError> {
+    if !is_audit_day_name(name) {
+        return Ok(false);
+    }
+    let dropped = sqlx::query(&format!("DROP TABLE {name}"))
+        .execute(conn)
+        .await;
+    if is_lock_timeout(&dropped) {
+        return Ok(false);
+    }
+    dropped?;
+    Ok(true)
 }
 
 /// What [`drop_if_all_purgeable`] did.

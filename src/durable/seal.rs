@@ -29,6 +29,9 @@ pub struct SealedEvent {
     pub gen: Option<i64>,
     /// The jsonb's text as Postgres renders it (`detail::text`).
     pub detail: String,
+    /// The partition that holds it (V22), not a column: a version 2
+    /// checkpoint chains each partition's events apart.
+    pub partition: String,
 }
 
 /// Advisory lock key of one sealing transaction (the migration lock is
@@ -47,10 +50,16 @@ pub struct CheckpointRow {
     pub digest: String,
     pub key_id: String,
     pub mac: String,
+    /// 1: one chain over the range; 2: one per partition (V22).
+    pub version: i16,
+    /// Version 2: `[{"partition", "events", "digest"}]` as stored (jsonb's
+    /// text), by partition name.
+    pub parts: Option<String>,
 }
 
 const CHECKPOINT_COLUMNS: &str =
-    "id, sealed_at, first_event_id, last_event_id, events, prev_digest, digest, key_id, mac";
+    "id, sealed_at, first_event_id, last_event_id, events, prev_digest, digest, key_id, mac,
+     version, parts::text AS parts";
 
 fn checkpoint(row: &PgRow) -> Result<CheckpointRow, sqlx::Error> {
     Ok(CheckpointRow {
@@ -63,6 +72,8 @@ fn checkpoint(row: &PgRow) -> Result<CheckpointRow, sqlx::Error> {
         digest: row.try_get("digest")?,
         key_id: row.try_get("key_id")?,
         mac: row.try_get("mac")?,
+        version: row.try_get("version")?,
+        parts: row.try_get("parts")?,
     })
 }
 
@@ -160,8 +171,9 @@ pub async fn insert_checkpoint(
 ) -> Result<(), DurableError> {
     sqlx::query(
         "INSERT INTO audit_checkpoints
-                (id, sealed_at, first_event_id, last_event_id, events, prev_digest, digest, key_id, mac)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                (id, sealed_at, first_event_id, last_event_id, events, prev_digest, digest, key_id, mac,
+                 version, parts)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::jsonb)",
     )
     .bind(c.id)
     .bind(c.sealed_at)
@@ -172,6 +184,8 @@ pub async fn insert_checkpoint(
     .bind(&c.digest)
     .bind(&c.key_id)
     .bind(&c.mac)
+    .bind(c.version)
+    .bind(&c.parts)
     .execute(conn)
     .await?;
     Ok(())
@@ -192,7 +206,7 @@ where
     Box::pin(
         sqlx::query(
             "SELECT id, at, kind::text AS kind, token_id, token, subject, biz_type, order_id,
-                    client, gen, detail::text AS detail
+                    client, gen, detail::text AS detail, tableoid::regclass::text AS partition
                FROM audit_events
               WHERE id > $1 AND id <= $2
               ORDER BY id
@@ -203,22 +217,49 @@ where
         .bind(limit)
         .fetch(conn)
         .map_err(DurableError::from)
-        .and_then(|row| async move {
-            Ok(SealedEvent {
-                id: row.try_get("id")?,
-                at: row.try_get("at")?,
-                kind: row.try_get("kind")?,
-                token_id: row.try_get("token_id")?,
-                token: row.try_get("token")?,
-                subject: row.try_get("subject")?,
-                biz_type: row.try_get("biz_type")?,
-                order_id: row.try_get("order_id")?,
-                client: row.try_get("client")?,
-                gen: row.try_get("gen")?,
-                detail: row.try_get("detail")?,
-            })
-        }),
+        .and_then(|row| async move { Ok(sealed_event(&row)?) }),
     )
+}
+
+/// Up to `limit` events of one partition of `audit_events` (its table name,
+/// checked by the caller: see `crate::durable::partitions::is_audit_day_name`)
+/// with an id above `after`, in id order, as [`events`] gives them.
+pub async fn partition_events(
+    conn: &mut PgConnection,
+    partition: &str,
+    after: i64,
+    limit: i64,
+) -> Result<Vec<SealedEvent>, DurableError> {
+    let rows = sqlx::query(&format!(
+        "SELECT id, at, kind::text AS kind, token_id, token, subject, biz_type, order_id,
+                client, gen, detail::text AS detail, tableoid::regclass::text AS partition
+           FROM {partition}
+          WHERE id > $1
+          ORDER BY id
+          LIMIT $2"
+    ))
+    .bind(after)
+    .bind(limit)
+    .fetch_all(conn)
+    .await?;
+    Ok(rows.iter().map(sealed_event).collect::<Result<_, _>>()?)
+}
+
+fn sealed_event(row: &PgRow) -> Result<SealedEvent, sqlx::Error> {
+    Ok(SealedEvent {
+        id: row.try_get("id")?,
+        at: row.try_get("at")?,
+        kind: row.try_get("kind")?,
+        token_id: row.try_get("token_id")?,
+        token: row.try_get("token")?,
+        subject: row.try_get("subject")?,
+        biz_type: row.try_get("biz_type")?,
+        order_id: row.try_get("order_id")?,
+        client: row.try_get("client")?,
+        gen: row.try_get("gen")?,
+        detail: row.try_get("detail")?,
+        partition: row.try_get("partition")?,
+    })
 }
 
 /// Up to `limit` checkpoints with an id at or above `from_id`, in id order
@@ -273,4 +314,145 @@ pub async fn events_above(pool: &PgPool, after: Option<i64>) -> Result<i64, Dura
             .fetch_one(pool)
             .await?,
     )
+}
+
+/// One `audit_retirements` row (V22): a partition of `audit_events` dropped
+/// under `audit.retention`, its MAC as stored (hex).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetirementRow {
+    pub partition: String,
+    pub retired_at: DateTime<Utc>,
+    pub events: i64,
+    pub checkpoints: i64,
+    pub key_id: String,
+    pub mac: String,
+}
+
+/// Every retirement, by partition name.
+pub async fn retirements(pool: &PgPool) -> Result<Vec<RetirementRow>, DurableError> {
+    let rows = sqlx::query(
+        "SELECT partition, retired_at, events, checkpoints, key_id, mac
+           FROM audit_retirements ORDER BY partition",
+    )
+    .fetch_all(pool)
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(RetirementRow {
+                partition: r.try_get("partition")?,
+                retired_at: r.try_get("retired_at")?,
+                events: r.try_get("events")?,
+                checkpoints: r.try_get("checkpoints")?,
+                key_id: r.try_get("key_id")?,
+                mac: r.try_get("mac")?,
+            })
+        })
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(Into::into)
+}
+
+pub async fn insert_retirement(
+    conn: &mut PgConnection,
+    r: &RetirementRow,
+) -> Result<(), DurableError> {
+    sqlx::query(
+        "INSERT INTO audit_retirements (partition, retired_at, events, checkpoints, key_id, mac)
+         VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(&r.partition)
+    .bind(r.retired_at)
+    .bind(r.events)
+    .bind(r.checkpoints)
+    .bind(&r.key_id)
+    .bind(&r.mac)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Postgres's clock now (`clock_timestamp()`), inside `conn`'s transaction.
+pub async fn clock_now(conn: &mut PgConnection) -> Result<DateTime<Utc>, DurableError> {
+    Ok(sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(conn)
+        .await?)
+}
+
+/// The version 2 checkpoints with a part for `partition`, in id order.
+pub async fn checkpoints_with_part(
+    conn: &mut PgConnection,
+    partition: &str,
+) -> Result<Vec<CheckpointRow>, DurableError> {
+    let rows = sqlx::query(&format!(
+        "SELECT {CHECKPOINT_COLUMNS} FROM audit_checkpoints
+          WHERE version = 2
+            AND parts @> jsonb_build_array(jsonb_build_object('partition', $1::text))
+          ORDER BY id"
+    ))
+    .bind(partition)
+    .fetch_all(conn)
+    .await?;
+    Ok(rows.iter().map(checkpoint).collect::<Result<_, _>>()?)
+}
+
+/// The highest event id a version 1 checkpoint seals (`None`: there is none).
+pub async fn last_flat_event_id(conn: &mut PgConnection) -> Result<Option<i64>, DurableError> {
+    Ok(
+        sqlx::query_scalar("SELECT max(last_event_id) FROM audit_checkpoints WHERE version = 1")
+            .fetch_one(conn)
+            .await?,
+    )
+}
+
+/// What a partition of `audit_events` holds: its events, their lowest and
+/// highest ids, and whether the newest of them is older than
+/// `retention_secs` by Postgres's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartitionSpan {
+    pub events: i64,
+    pub first_id: Option<i64>,
+    pub last_id: Option<i64>,
+    pub past_retention: bool,
+}
+
+pub async fn partition_span(
+    conn: &mut PgConnection,
+    partition: &str,
+    retention_secs: f64,
+) -> Result<PartitionSpan, DurableError> {
+    let row = sqlx::query(&format!(
+        "SELECT count(*) AS n, min(id) AS first_id, max(id) AS last_id,
+                coalesce(max(at) < now() - make_interval(secs => $1), true) AS past
+           FROM {partition}"
+    ))
+    .bind(retention_secs)
+    .fetch_one(conn)
+    .await?;
+    Ok(PartitionSpan {
+        events: row.try_get("n")?,
+        first_id: row.try_get("first_id")?,
+        last_id: row.try_get("last_id")?,
+        past_retention: row.try_get("past")?,
+    })
+}
+
+/// Records the drop of an `audit_events` partition in the trail itself
+/// (`audit.retired`, no token), in `conn`'s transaction.
+pub async fn insert_retired_event(
+    conn: &mut PgConnection,
+    r: &RetirementRow,
+    by: &str,
+) -> Result<(), DurableError> {
+    sqlx::query(
+        "INSERT INTO audit_events (kind, detail)
+         VALUES ('audit.retired',
+                 jsonb_build_object('partition', $1::text, 'events', $2::bigint,
+                                    'checkpoints', $3::bigint, 'by', $4::text))",
+    )
+    .bind(&r.partition)
+    .bind(r.events)
+    .bind(r.checkpoints)
+    .bind(by)
+    .execute(conn)
+    .await?;
+    Ok(())
 }

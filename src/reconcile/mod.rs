@@ -55,6 +55,7 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
+use crate::audit_seal::Seals;
 use crate::clock::Clock;
 use crate::durable::DurableError;
 use crate::fast::FastTier;
@@ -115,6 +116,10 @@ pub struct Reconciler {
     /// expired by the end of its day plus this.
     max_ttl: Duration,
     batch: usize,
+    /// `audit.retention` (`None`: audit kept for ever) and the sealer that
+    /// verifies and records an audit day partition before its drop.
+    audit_retention: Option<Duration>,
+    seals: Seals,
     /// Only for the report's start and finish times: Postgres `now()` and
     /// Redis's clock judge expiry and deadlines.
     clock: Arc<dyn Clock>,

@@ -3,10 +3,16 @@
 //! day partition past its bound (the end of its day plus the longest biz-type
 //! `ttl` plus the retention) whose rows are all past retention is dropped
 //! whole; then what is left outside the day partitions not yet past their
-//! bound is deleted in batches (`expired_purgeable`).
+//! bound is deleted in batches (`expired_purgeable`). Last, with
+//! `audit.retention` set, each day partition of `audit_events` whose tokens'
+//! partition is gone and whose events are all past it is verified against
+//! its seals, recorded and dropped (`crate::audit_seal::retire`; not counted
+//! in the report's classes: a partition kept because its events do not
+//! verify is named in its errors).
 
 use super::report::{Class, Phase};
 use super::run::{PhaseError, Run};
+use crate::audit_seal::retire::{Keep, Retire};
 use crate::durable::partitions::{self, Dropped};
 use crate::durable::reconcile::{self as sql, PurgeKind};
 
@@ -88,6 +94,48 @@ impl Run<'_> {
                 }
                 self.repaired.add(Class::ExpiredPurgeable, n);
                 self.progress.advance(n);
+            }
+        }
+        self.retire_audit().await
+    }
+
+    /// The audit day partitions past `audit.retention`, one at a time.
+    async fn retire_audit(&mut self) -> Result<(), PhaseError> {
+        let Some(retention) = self.r.audit_retention else {
+            return Ok(());
+        };
+        let days = partitions::audit_days(self.pool(), retention.as_secs_f64()).await?;
+        for day in days.iter().filter(|d| d.past_bound && d.tokens_gone) {
+            if self.cancel.is_cancelled() {
+                return Ok(());
+            }
+            let mut outcome = Retire::Busy;
+            for attempt in 0..DROP_ATTEMPTS {
+                if attempt > 0 {
+                    tokio::time::sleep(DROP_PAUSE).await;
+                }
+                outcome = self.r.seals.retire(day, retention, &self.opts.by).await?;
+                if outcome != Retire::Busy {
+                    break;
+                }
+            }
+            match outcome {
+                Retire::Dropped { events } => {
+                    tracing::info!(partition = %day.name, events, "reconcile: audit partition retired");
+                }
+                Retire::Busy => {
+                    tracing::warn!(partition = %day.name, "reconcile: audit partition busy, left for the next run");
+                }
+                Retire::Kept(Keep::DoesNotVerify(why)) => {
+                    tracing::error!(partition = %day.name, why = %why, "reconcile: audit partition does not verify; kept");
+                    self.errors.push(format!(
+                        "audit retention: {} kept, its events do not verify against their seals: {why}",
+                        day.name
+                    ));
+                }
+                Retire::Kept(why) => {
+                    tracing::info!(partition = %day.name, why = ?why, "reconcile: audit partition kept");
+                }
             }
         }
         Ok(())

@@ -9,6 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::report::{Class, Classes, InconsistentOrder, Phase, Progress, Report, Scanned};
 use super::{Options, ReconcileError, Reconciler};
+use crate::audit_seal::Seals;
 use crate::clock::Clock;
 use crate::config::Settings;
 use crate::durable::reconcile::{self as sql, Repair};
@@ -26,7 +27,7 @@ impl Reconciler {
         clock: Arc<dyn Clock>,
     ) -> Reconciler {
         Reconciler {
-            pool: admin_pool,
+            pool: admin_pool.clone(),
             fast,
             clock,
             codec: TokenCodec::new(settings.tokens.signing_keys.clone()),
@@ -38,6 +39,8 @@ impl Reconciler {
                 .max()
                 .unwrap_or_default(),
             batch: settings.reconcile.batch_size.max(1),
+            audit_retention: settings.audit.retention,
+            seals: Seals::new(&settings.audit, admin_pool),
         }
     }
 

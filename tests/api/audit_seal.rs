@@ -33,6 +33,7 @@ fn audit_settings(keys: &[(&str, &str)]) -> AuditSettings {
                 secret: secret.as_bytes().to_vec(),
             })
             .collect(),
+        retention: None,
     }
 }
 

@@ -3,6 +3,7 @@
 
 mod admin;
 mod admin_release;
+mod audit_retention;
 mod audit_seal;
 mod bad_input;
 mod batch_plans;

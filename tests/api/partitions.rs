@@ -5,7 +5,7 @@
 //! order's token too: the order keeps its events) and keeps one with a row
 //! still within it.
 
-use chrono::{Duration, NaiveTime, Utc};
+use chrono::{Duration, Utc};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -15,34 +15,12 @@ use idempotency_ledger::domain::{key::ClientKey, BizType};
 use idempotency_ledger::token::{Claims, SnowflakeId, TokenCodec};
 
 use crate::helpers::calls::{consume, reconcile};
+use crate::helpers::schema::{database_at, id_at_noon};
 use crate::helpers::*;
-
-mod embedded {
-    refinery::embed_migrations!("migrations");
-}
 
 /// `stores`' database created and migrated up to V15 (before partitions).
 async fn database_at_v15(stores: &Stores) {
     database_at(stores, 15).await;
-}
-
-/// `stores`' database created and migrated up to `version`.
-async fn database_at(stores: &Stores, version: u32) {
-    let url = stores.db_url();
-    idempotency_ledger::durable::setup::create_database_if_missing(&url)
-        .await
-        .expect("database");
-    let (mut client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .expect("connect");
-    let task = tokio::spawn(conn);
-    embedded::migrations::runner()
-        .set_target(refinery::Target::Version(version))
-        .run_async(&mut client)
-        .await
-        .expect("V1..");
-    drop(client);
-    let _ = task.await;
 }
 
 fn sign(stores: &Stores, id: i64, exp_unix: i64, subject: &str) -> String {
@@ -278,13 +256,6 @@ async fn a_duplicate_consume_across_the_migration_still_loses() {
         .count();
     assert_eq!((won, lost), (1, 7), "{answers:?}");
     app.stop().await;
-}
-
-/// A snowflake id at noon (UTC) `days` from today.
-fn id_at_noon(days: i64) -> i64 {
-    let day = Utc::now().date_naive() + Duration::days(days);
-    let noon = day.and_time(NaiveTime::from_hms_opt(12, 0, 0).expect("noon"));
-    SnowflakeId::from_parts(noon.and_utc().timestamp_millis(), 1, 1).as_i64()
 }
 
 fn day_name(days: i64) -> String {

@@ -9,7 +9,7 @@ const KINDS = [
   'token.issued', 'token.consumed', 'token.result', 'token.released', 'token.uncertain',
   'token.conflict', 'key.consumed', 'key.result', 'key.released', 'key.uncertain',
   'order.created', 'order.paid', 'order.refunded', 'order.closed', 'reconcile.repaired',
-  'fleet.forgotten',
+  'fleet.forgotten', 'audit.retired',
 ];
 const SVG_NS = 'http://www.w3.org/2000/svg';
 
@@ -437,6 +437,10 @@ function describe(ev) {
     case 'fleet.forgotten':
       parts = ['silent fleet member ', h('span', { class: 'mono' }, take('instance') ?? '?'), ' forgotten ', by(),
         ' (its Redis decisions not in Postgres accepted as lost)', reason()];
+      break;
+    case 'audit.retired':
+      parts = ['audit partition ', h('span', { class: 'mono' }, take('partition') ?? '?'), ' dropped under audit retention (',
+        String(take('events') ?? '?'), ' events, verified against their seals first) ', by()];
       break;
     case 'token.conflict':
       parts = [h('strong', {}, 'conflict'), ': a second decision for one generation of the token (two tiers or instances both decided)'];

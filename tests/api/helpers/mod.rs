@@ -30,6 +30,7 @@ pub mod fleet_answers;
 pub mod journal_entries;
 pub mod link;
 pub mod procs;
+pub mod schema;
 pub mod scrape;
 pub mod suite_pg;
 pub mod tiers;
