@@ -81,6 +81,13 @@ BEGIN
 END
 $$;
 ALTER TABLE audit_events_base ALTER COLUMN id DROP IDENTITY;
+-- The new sequence takes the old one's name, now free.
+DO $$
+BEGIN
+    EXECUTE format('ALTER SEQUENCE %s RENAME TO audit_events_id_seq',
+                   pg_get_serial_sequence('audit_events', 'id'));
+END
+$$;
 ALTER TABLE audit_events_base DROP CONSTRAINT audit_events_pkey;
 
 CREATE TABLE audit_events_default PARTITION OF audit_events DEFAULT;
