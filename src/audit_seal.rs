@@ -201,6 +201,10 @@ pub struct VerifyReport {
     pub last_checkpoint: Option<CheckpointView>,
     /// Events above the newest checkpoint: not sealed yet.
     pub unsealed_events: i64,
+    /// Events sealed in partitions dropped under `audit.retention`, whose
+    /// parts were taken as sealed (their retirement's MAC verified), not
+    /// recomputed.
+    pub retired_events: i64,
     /// Every checkpoint that does not match, oldest first.
     pub mismatches: Vec<Mismatch>,
 }
@@ -414,6 +418,7 @@ impl Seals {
             events: 0,
             last_checkpoint: None,
             unsealed_events: 0,
+            retired_events: 0,
             mismatches: Vec::new(),
         };
         let retired = trusted_retirements(&sql::retirements(&self.pool).await?, &keys);
@@ -440,10 +445,11 @@ impl Seals {
                 let Some(tail) = page.last() else { break };
                 from = tail.id.saturating_add(1);
                 for c in page {
-                    let (events, mismatch) = self.check(&c, prev.as_ref(), &keys, &retired).await?;
+                    let checked = self.check(&c, prev.as_ref(), &keys, &retired).await?;
                     report.checkpoints += 1;
-                    report.events += events;
-                    report.mismatches.extend(mismatch);
+                    report.events += checked.events;
+                    report.retired_events += checked.retired_events;
+                    report.mismatches.extend(checked.mismatch);
                     prev = Some(c);
                 }
             }
@@ -458,15 +464,14 @@ impl Seals {
 
     /// One checkpoint against its predecessor: key, MAC, link, then its
     /// events recomputed (a version 2 checkpoint's parts: each one of a
-    /// partition in `retired` as sealed). Returns the events counted and the
-    /// first problem.
+    /// partition in `retired` as sealed).
     async fn check(
         &self,
         c: &CheckpointRow,
         prev: Option<&CheckpointRow>,
         keys: &HashMap<&str, &[u8]>,
         retired: &HashSet<String>,
-    ) -> Result<(i64, Option<Mismatch>), DurableError> {
+    ) -> Result<Checked, DurableError> {
         let after = prev.map(|p| p.last_event_id);
         let prev_digest = chain::parse_hex32(&c.prev_digest).unwrap_or(GENESIS);
         let version = Version::from_i16(c.version);
@@ -488,7 +493,7 @@ impl Seals {
             _ => (None, flat.finish()),
         };
         if let Some(m) = check_mac(c, keys) {
-            return Ok((got.events, Some(m)));
+            return Ok(Checked::found(got.events, Some(m)));
         }
         let want_prev = prev
             .map(|p| p.digest.clone())
@@ -501,22 +506,29 @@ impl Seals {
                 ),
                 None => "it is the first checkpoint, but its prev_digest is not 64 zeros: earlier checkpoints were removed".to_owned(),
             };
-            return Ok((got.events, Some(mismatch(c, Problem::Chain, message))));
+            return Ok(Checked::found(
+                got.events,
+                Some(mismatch(c, Problem::Chain, message)),
+            ));
         }
         let range = match after {
             Some(a) => format!("ids {} to {}", a + 1, c.last_event_id),
             None => format!("ids up to {}", c.last_event_id),
         };
         if let Some(found) = found {
-            let problem = check_parts(c, &prev_digest, &range, &found, retired);
-            return Ok((got.events, problem));
+            let (retired_events, mismatch) = check_parts(c, &prev_digest, &range, &found, retired);
+            return Ok(Checked {
+                events: got.events,
+                retired_events,
+                mismatch,
+            });
         }
         let matches = hex::encode(got.digest) == c.digest
             && got.events == c.events
             && got.first_event_id == Some(c.first_event_id)
             && got.last_event_id == Some(c.last_event_id);
         if matches {
-            return Ok((got.events, None));
+            return Ok(Checked::found(got.events, None));
         }
         let message = if got.events < c.events {
             format!(
@@ -538,7 +550,29 @@ impl Seals {
                 c.events
             )
         };
-        Ok((got.events, Some(mismatch(c, Problem::Events, message))))
+        Ok(Checked::found(
+            got.events,
+            Some(mismatch(c, Problem::Events, message)),
+        ))
+    }
+}
+
+/// What [`Seals::check`] found in one checkpoint.
+struct Checked {
+    /// Events recomputed.
+    events: i64,
+    /// Events of retired partitions' parts, taken as sealed.
+    retired_events: i64,
+    mismatch: Option<Mismatch>,
+}
+
+impl Checked {
+    fn found(events: i64, mismatch: Option<Mismatch>) -> Checked {
+        Checked {
+            events,
+            retired_events: 0,
+            mismatch,
+        }
     }
 }
 
@@ -688,27 +722,38 @@ fn check_parts(
     range: &str,
     found: &[Part],
     retired: &HashSet<String>,
-) -> Option<Mismatch> {
+) -> (i64, Option<Mismatch>) {
     let Some(sealed) = c.parts.as_deref().and_then(parse_parts) else {
-        return Some(mismatch(
-            c,
-            Problem::Mac,
-            "its parts are not readable: the checkpoint was changed".to_owned(),
-        ));
+        return (
+            0,
+            Some(mismatch(
+                c,
+                Problem::Mac,
+                "its parts are not readable: the checkpoint was changed".to_owned(),
+            )),
+        );
     };
     let total: i64 = sealed.iter().map(|p| p.events).sum();
     if hex::encode(chain::parts_digest(prev, &sealed)) != c.digest || total != c.events {
-        return Some(mismatch(
-            c,
-            Problem::Mac,
-            "its parts do not hash to its digest and count: the checkpoint was changed".to_owned(),
-        ));
+        return (
+            0,
+            Some(mismatch(
+                c,
+                Problem::Mac,
+                "its parts do not hash to its digest and count: the checkpoint was changed"
+                    .to_owned(),
+            )),
+        );
     }
+    let mut retired_events = 0;
     let by_name: HashMap<&str, &Part> = found.iter().map(|p| (p.partition.as_str(), p)).collect();
     for s in &sealed {
         let message = match by_name.get(s.partition.as_str()) {
             Some(f) if f.events == s.events && f.digest == s.digest => continue,
-            None if retired.contains(&s.partition) => continue,
+            None if retired.contains(&s.partition) => {
+                retired_events += s.events;
+                continue;
+            }
             None => format!(
                 "the {} event(s) it sealed in partition {} ({range}) are gone, and no retirement (with a MAC that verifies) records the partition's drop",
                 s.events, s.partition
@@ -732,10 +777,10 @@ fn check_parts(
                 s.events, s.partition
             ),
         };
-        return Some(mismatch(c, Problem::Events, message));
+        return (retired_events, Some(mismatch(c, Problem::Events, message)));
     }
     let sealed_names: HashSet<&str> = sealed.iter().map(|p| p.partition.as_str()).collect();
-    found
+    let inserted = found
         .iter()
         .find(|f| !sealed_names.contains(f.partition.as_str()))
         .map(|f| {
@@ -747,7 +792,8 @@ fn check_parts(
                     f.events, f.partition
                 ),
             )
-        })
+        });
+    (retired_events, inserted)
 }
 
 /// `ledger_audit_last_seal_timestamp_seconds`: when the newest checkpoint was

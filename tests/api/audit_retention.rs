@@ -358,6 +358,7 @@ async fn reconcile_retires_an_audit_day_past_retention_once_sealed_and_verify_st
     let (code, report) = verify(&stores).await;
     assert_eq!(code, Some(0), "{report}");
     assert_eq!(report["checkpoints"], json!(2), "{report}");
+    assert_eq!(report["retired_events"], json!(3), "{report}");
 
     // A second run finds nothing more to drop.
     let report = reconcile(&app).await;
