@@ -421,7 +421,7 @@ impl Seals {
             retired_events: 0,
             mismatches: Vec::new(),
         };
-        let retired = trusted_retirements(&sql::retirements(&self.pool).await?, &keys);
+        let mut retired = trusted_retirements(&sql::retirements(&self.pool).await?, &keys);
         let start = match since {
             None => Some(i64::MIN),
             Some(t) => sql::first_checkpoint_since(&self.pool, t).await?,
@@ -445,7 +445,7 @@ impl Seals {
                 let Some(tail) = page.last() else { break };
                 from = tail.id.saturating_add(1);
                 for c in page {
-                    let checked = self.check(&c, prev.as_ref(), &keys, &retired).await?;
+                    let checked = self.check(&c, prev.as_ref(), &keys, &mut retired).await?;
                     report.checkpoints += 1;
                     report.events += checked.events;
                     report.retired_events += checked.retired_events;
@@ -470,7 +470,7 @@ impl Seals {
         c: &CheckpointRow,
         prev: Option<&CheckpointRow>,
         keys: &HashMap<&str, &[u8]>,
-        retired: &HashSet<String>,
+        retired: &mut HashSet<String>,
     ) -> Result<Checked, DurableError> {
         let after = prev.map(|p| p.last_event_id);
         let prev_digest = chain::parse_hex32(&c.prev_digest).unwrap_or(GENESIS);
@@ -516,7 +516,15 @@ impl Seals {
             None => format!("ids up to {}", c.last_event_id),
         };
         if let Some(found) = found {
-            let (retired_events, mismatch) = check_parts(c, &prev_digest, &range, &found, retired);
+            let mut checked = check_parts(c, &prev_digest, &range, &found, retired);
+            if checked.1.is_some() {
+                // A partition retired since `retired` was read: its retirement
+                // commits with its drop, so one read after the events were
+                // found gone sees it.
+                *retired = trusted_retirements(&sql::retirements(&self.pool).await?, keys);
+                checked = check_parts(c, &prev_digest, &range, &found, retired);
+            }
+            let (retired_events, mismatch) = checked;
             return Ok(Checked {
                 events: got.events,
                 retired_events,

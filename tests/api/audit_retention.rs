@@ -14,7 +14,7 @@ use futures_util::TryStreamExt;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
-use idempotency_ledger::audit_seal::chain::{Chain, MacFields, Version, GENESIS};
+use idempotency_ledger::audit_seal::chain::{Chain, MacFields, RetirementFields, Version, GENESIS};
 use idempotency_ledger::audit_seal::{SealPass, Seals};
 use idempotency_ledger::config::{AuditSettings, SealKey};
 use idempotency_ledger::durable::seal as seal_sql;
@@ -431,5 +431,86 @@ async fn an_audit_day_whose_sealed_events_were_changed_is_kept_and_named_in_the_
     assert_eq!(retirements(&pg).await, []);
     let (code, report) = verify(&stores).await;
     assert_eq!(code, Some(5), "the change is still there to find: {report}");
+    app.stop().await;
+}
+
+/// A partition retired while `audit verify` runs: the verifier read the
+/// retirements before the drop committed and the checkpoint's events after
+/// it. Before the fix it reported the partition's events as gone with no
+/// retirement; now it reads the retirements again when a part is missing
+/// (the retirement commits with the drop, so that read sees it).
+#[tokio::test]
+async fn a_partition_retired_while_verify_runs_is_not_reported_gone() {
+    let stores = Stores::fresh().with("[audit]\nseal_every = \"1h\"");
+    let app = spawn_app_on(stores.clone()).await;
+    let pg = app.pg().await;
+    migrated_40_days_ago_with_audit_days(&pg, &[-35]).await;
+    let d35 = id_at_noon(-35);
+    event(&pg, "token.issued", Some(d35), "35 days", "a").await;
+    event(&pg, "token.consumed", Some(d35), "34 days", "b").await;
+    // Pools of their own: the verifier's, and one for this test's lock.
+    let sealer = seals(PgPool::connect(&stores.db_url()).await.expect("pool"));
+    seal(&sealer).await;
+    let locker = PgPool::connect(&stores.db_url()).await.expect("pool");
+
+    // Hold the checkpoints: the verifier reads the retirements (none yet),
+    // then waits for its first page of checkpoints.
+    let mut tx = locker.begin().await.expect("tx");
+    sqlx::query("LOCK TABLE audit_checkpoints IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *tx)
+        .await
+        .expect("lock");
+    let verifying = tokio::spawn({
+        let sealer = sealer.clone();
+        async move { sealer.verify(None).await.expect("verify runs") }
+    });
+    eventually(10, || {
+        let pg = pg.clone();
+        async move {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_locks
+                  WHERE NOT granted AND relation = 'audit_checkpoints'::regclass",
+            )
+            .fetch_one(&pg)
+            .await
+            .ok()?;
+            (waiting > 0).then_some(())
+        }
+    })
+    .await;
+    // Meanwhile the partition is retired, as reconcile does it.
+    let name = audit_day(-35);
+    let retired_at: chrono::DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("now");
+    let mac = RetirementFields {
+        partition: &name,
+        retired_at,
+        events: 2,
+        checkpoints: 1,
+        key_id: KEY_A1.0,
+    }
+    .mac(KEY_A1.1.as_bytes());
+    sqlx::query(
+        "INSERT INTO audit_retirements (partition, retired_at, events, checkpoints, key_id, mac)
+         VALUES ($1, $2, 2, 1, $3, $4)",
+    )
+    .bind(&name)
+    .bind(retired_at)
+    .bind(KEY_A1.0)
+    .bind(hex::encode(mac))
+    .execute(&mut *tx)
+    .await
+    .expect("retirement");
+    sqlx::query(&format!("DROP TABLE {name}"))
+        .execute(&mut *tx)
+        .await
+        .expect("drop");
+    tx.commit().await.expect("commit");
+
+    let report = verifying.await.expect("verify");
+    assert!(report.ok, "{:?}", report.mismatches);
+    assert_eq!(report.retired_events, 2);
     app.stop().await;
 }
