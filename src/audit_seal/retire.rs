@@ -5,8 +5,10 @@
 //!
 //! A partition is dropped only when, in one transaction holding it locked
 //! against writes:
-//! - its day's `tokens` partition is gone (no token of that day can take an
-//!   event any more) and its newest event is older than the retention;
+//! - its day's `tokens` partition is gone and its newest event is older than
+//!   the retention (an event that still comes for one of its tokens, say
+//!   one whose row sat in `tokens_default`, lands in `audit_events_default`
+//!   once the day is dropped, and is sealed there);
 //! - every event in it is sealed, by version 2 checkpoints only (a version 1
 //!   checkpoint chains all its events together: dropping some would leave it
 //!   unverifiable);

@@ -106,7 +106,9 @@ pub fn is_audit_day_name(name: &str) -> bool {
 pub struct AuditDay {
     pub name: String,
     /// The day's `tokens` partition is gone (dropped under
-    /// `tokens.retention`): no token of that day can take an event any more.
+    /// `tokens.retention`, or never made: its tokens then sat in
+    /// `tokens_default`). A later event of one of its tokens is not lost: the
+    /// dropped range falls to `audit_events_default`, sealed like any other.
     pub tokens_gone: bool,
     /// The end of its day plus `retention_secs` is behind Postgres's `now()`.
     pub past_bound: bool,

@@ -332,6 +332,10 @@ async fn reconcile_retires_an_audit_day_past_retention_once_sealed_and_verify_st
     assert!(!exists(&pg, &audit_day(-35)).await, "day -35 dropped");
     assert!(exists(&pg, &audit_day(-34)).await, "day -34 kept");
     assert_eq!(retirements(&pg).await, [(audit_day(-35), 3, 1)]);
+    // A late event of one of the day's tokens is not lost: it lands in the
+    // default partition (and is sealed and verified below with the rest).
+    let late = event(&pg, "token.released", Some(d35), "0", "late").await;
+    assert_eq!(partition_of_event(&pg, late).await, "audit_events_default");
     let retired: Value = sqlx::query_scalar(
         "SELECT detail FROM audit_events WHERE kind = 'audit.retired' AND detail->>'partition' = $1",
     )
