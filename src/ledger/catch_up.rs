@@ -14,7 +14,7 @@ use super::util::ms;
 use crate::clock::Clock;
 use crate::config::{RedisSettings, Settings};
 use crate::fast::breaker::Mode;
-use crate::fast::{Attempt, ConsumedWrite, Decision, FastTier, KeyArgs, Marker};
+use crate::fast::{Attempt, ConsumedWrite, Decision, FastError, FastTier, KeyArgs, Marker};
 use crate::metrics::Metrics;
 use crate::tasks::OffPath;
 
@@ -105,6 +105,13 @@ impl CatchUp {
     /// take it).
     pub(super) fn write_back(&self, write: ConsumedWrite) {
         self.writebacks.push(write);
+    }
+
+    /// Writes a consumed state to Redis and waits for the outcome
+    /// (`Ok(true)`: written), in a pipeline with the write-backs on their
+    /// way; nothing is queued on a failure (the caller decides).
+    pub(super) async fn write_now(&self, write: ConsumedWrite) -> Result<bool, FastError> {
+        self.writebacks.send(write).await
     }
 
     /// Replays Redis writes queued while it was down. Returns how many remain.

@@ -5,6 +5,8 @@
 //! Read your writes: a result recorded in Postgres is written to Redis
 //! (the consumed marker at its generation, result included) before the
 //! answer, so every later duplicate, on any instance, answers `completed`.
+//! The results one batch recorded reach Redis together, in the pipelines of
+//! the write-backs (`settle`).
 //! When that write fails, the answer waits until the token's consume is
 //! older than `redis.processing_trust`: from then on a marker without a
 //! result no longer answers `processing` alone (Postgres is asked), and the
@@ -25,7 +27,7 @@ use crate::config::Durability;
 use crate::domain::{Reason, RequestId, Subject};
 use crate::durable::timed;
 use crate::durable::tokens::{self, Existing, ReleaseRow, ResultDecided, TokenRecord, TokenState};
-use crate::fast::{FastError, Marker, Peek, ReleaseWrite, ResultWrite};
+use crate::fast::{ConsumedWrite, FastError, Marker, Peek, ReleaseWrite, ResultWrite};
 use crate::fleet::FleetState;
 use crate::journal;
 use crate::token::VerifiedToken;
@@ -265,10 +267,10 @@ impl Ledger {
             ResultDecided::Existing(e) if e.state == TokenState::Consumed => match &e.result {
                 Some(stored) if stored == result => {
                     // Heals a marker whose earlier write failed, off the path.
-                    let fast = self.fast.clone();
-                    let (text, gen, marker) = (held.handle.clone(), e.gen, marker_of_row(&e));
-                    self.off_path.spawn(async move {
-                        let _ = fast.write_consumed(&text, gen, &marker).await;
+                    self.catch_up.write_back(ConsumedWrite {
+                        token: held.handle.clone(),
+                        gen: e.gen,
+                        marker: marker_of_row(&e),
                     });
                     Ok(ResultAnswer::AlreadyRecorded)
                 }
@@ -284,7 +286,12 @@ impl Ledger {
     /// marker without a result.
     async fn result_to_redis(&self, handle: &str, e: &Existing) {
         let marker = marker_of_row(e);
-        match self.fast.write_consumed(handle, e.gen, &marker).await {
+        let write = ConsumedWrite {
+            token: handle.to_owned(),
+            gen: e.gen,
+            marker: marker.clone(),
+        };
+        match self.catch_up.write_now(write).await {
             Ok(_) => {}
             Err(err) => {
                 tracing::debug!(error = %err, "result not written to redis; queued, waiting out the marker's trust");

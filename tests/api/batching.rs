@@ -33,13 +33,7 @@ fn batch_sizes(text: &str, le: &str) -> (f64, f64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_storm_of_identical_consumes_is_decided_in_batches_each_token_once() {
     let _heavy = heavy().await;
-    let app = Arc::new(
-        spawn_app_on(
-            Stores::fresh()
-                .with("postgres.consume_batches_in_flight = 1\npostgres.acquire_timeout = \"10s\""),
-        )
-        .await,
-    );
+    let app = spawn_app_batching().await;
     const TOKENS: usize = 80;
     const COPIES: usize = 6;
     let mut tokens = Vec::new();

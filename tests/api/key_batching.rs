@@ -42,13 +42,7 @@ async fn consume_key(app: &TestApp, body: &Value) -> (StatusCode, bool, Value) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn identical_first_consumes_of_many_keys_are_batched_each_key_once() {
     let _heavy = heavy().await;
-    let app = Arc::new(
-        spawn_app_on(
-            Stores::fresh()
-                .with("postgres.consume_batches_in_flight = 1\npostgres.acquire_timeout = \"10s\""),
-        )
-        .await,
-    );
+    let app = spawn_app_batching().await;
     const KEYS: usize = 60;
     const COPIES: usize = 5;
     let run = uuid::Uuid::new_v4();

@@ -795,13 +795,7 @@ async fn one_result_and_release_batch_answers_each_item_as_the_single_statements
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn results_and_releases_fired_together_are_decided_in_batches() {
     let _heavy = heavy().await;
-    let app = std::sync::Arc::new(
-        spawn_app_on(
-            Stores::fresh()
-                .with("postgres.consume_batches_in_flight = 1\npostgres.acquire_timeout = \"10s\""),
-        )
-        .await,
-    );
+    let app = spawn_app_batching().await;
     const N: usize = 40;
     let mut tokens = Vec::new();
     for i in 0..N {

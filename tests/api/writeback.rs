@@ -8,6 +8,8 @@ use std::sync::Arc;
 
 use idempotency_ledger::clock::{Clock, SystemClock};
 use idempotency_ledger::config::Durability;
+use idempotency_ledger::domain::key::{identity, ClientKey};
+use idempotency_ledger::domain::BizType;
 use idempotency_ledger::durable::batch::{consume_batch, ConsumeItem};
 use idempotency_ledger::durable::tokens::{ConsumeRow, TokenRecord};
 use idempotency_ledger::durable::Pools;
@@ -15,12 +17,13 @@ use idempotency_ledger::fast::{Attempt, ConsumeMode, ConsumedWrite, Marker};
 use idempotency_ledger::reconcile::{Class, Options, Quiet, Reconciler, BY_CLI};
 use redis::AsyncCommands;
 use reqwest::StatusCode;
-use serde_json::json;
+use serde_json::{json, Value};
 use sqlx::Row;
 use tokio_util::sync::CancellationToken;
 
 use crate::helpers::link::Link;
 use crate::helpers::procs::RedisProc;
+use crate::helpers::scrape;
 use crate::helpers::tiers::fast_tier;
 use crate::helpers::*;
 
@@ -307,4 +310,94 @@ async fn a_write_back_pipeline_that_fails_leaves_reconcile_able_to_repair() {
     }
     pools.close().await;
     app.stop().await;
+}
+
+/// Forty durable keys consumed, then their results sent at once (one result
+/// statement at a time, so the others queue into batches): every result is
+/// in Redis when its `recorded` answer arrives (read your writes), and the
+/// results reach Redis in fewer calls than results, since those one batch
+/// recorded ride one pipeline instead of a call each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn results_recorded_together_reach_redis_in_pipelines_before_their_answers() {
+    let _heavy = heavy().await;
+    let app = spawn_app_batching().await;
+    const KEYS: usize = 40;
+    let run = uuid::Uuid::new_v4();
+    let biz = BizType::parse("order").expect("biz");
+    let key = |i: usize| format!("k-{run}-{i}");
+    for i in 0..KEYS {
+        let (s, _, b) = answer(
+            app.post(
+                PAYMENTS,
+                "/v1/keys/consume",
+                &json!({"biz_type": "order", "key": key(i), "request_id": format!("r-{i}")}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(
+            (s, b["outcome"].as_str()),
+            (StatusCode::OK, Some("consumed")),
+            "{b}"
+        );
+    }
+    // The consumes' own write-backs are done before the results start.
+    let r = app.redis().await;
+    for i in 0..KEYS {
+        let handle = identity("payments", &biz, &ClientKey::parse(&key(i)).expect("key")).handle;
+        let k = app.token_key(&handle);
+        eventually(10, || {
+            let r = &r;
+            let k = &k;
+            async move { (field(r, k, "s").await.as_deref() == Some("c")).then_some(()) }
+        })
+        .await;
+    }
+    let writes = |text: &str| {
+        scrape::redis_calls(text, "writeback") + scrape::redis_calls(text, "writeback_pipeline")
+    };
+    let before = writes(&app.metrics_text().await);
+
+    let barrier = Arc::new(tokio::sync::Barrier::new(KEYS));
+    let mut handles = Vec::new();
+    for i in 0..KEYS {
+        let (app, barrier, r, biz, key) =
+            (app.clone(), barrier.clone(), r.clone(), biz.clone(), key(i));
+        handles.push(tokio::spawn(async move {
+            barrier.wait().await;
+            let (s, _, b) = answer(
+                app.post(
+                    PAYMENTS,
+                    "/v1/keys/result",
+                    &json!({"biz_type": "order", "key": key, "result": {"n": i}}),
+                )
+                .await,
+            )
+            .await;
+            // Read at once, before anything else can have written it.
+            let handle = identity("payments", &biz, &ClientKey::parse(&key).expect("key")).handle;
+            let res = field(&r, &app.token_key(&handle), "res").await;
+            (i, s, b, res)
+        }));
+    }
+    for h in handles {
+        let (i, s, b, res) = h.await.expect("task");
+        assert_eq!(
+            (s, b["outcome"].as_str()),
+            (StatusCode::OK, Some("recorded")),
+            "key {i}: {b}"
+        );
+        let res: Value = serde_json::from_str(res.as_deref().unwrap_or("null")).expect("json");
+        assert_eq!(
+            res,
+            json!({"n": i}),
+            "key {i}: Redis holds its result when it is answered"
+        );
+    }
+    let calls = writes(&app.metrics_text().await) - before;
+    assert!(
+        calls < KEYS as f64,
+        "{calls} Redis write calls for {KEYS} results recorded together"
+    );
+    Arc::try_unwrap(app).ok().expect("sole owner").stop().await;
 }

@@ -156,6 +156,19 @@ pub async fn spawn_app() -> TestApp {
     spawn_app_on(Stores::fresh()).await
 }
 
+/// An app whose Postgres runs one consume, result or release statement at
+/// a time (`consume_batches_in_flight = 1`), so that requests sent together
+/// queue into batches; for the batching tests, which hold [`heavy`].
+pub async fn spawn_app_batching() -> Arc<TestApp> {
+    Arc::new(
+        spawn_app_on(
+            Stores::fresh()
+                .with("postgres.consume_batches_in_flight = 1\npostgres.acquire_timeout = \"10s\""),
+        )
+        .await,
+    )
+}
+
 pub async fn spawn_app_on(stores: Stores) -> TestApp {
     spawn_app_with_clock(stores, Arc::new(SystemClock)).await
 }
