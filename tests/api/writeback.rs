@@ -401,3 +401,84 @@ async fn results_recorded_together_reach_redis_in_pipelines_before_their_answers
     );
     Arc::try_unwrap(app).ok().expect("sole owner").stop().await;
 }
+
+/// A durable key's result whose write to Redis fails (its instance's link to
+/// Redis cut): Postgres recorded it, so it is answered `recorded` (after the
+/// marker's trust), and the write is not forgotten: once the link is back,
+/// Redis gets the marker with the result, and a duplicate answers with it.
+/// The result rides the write-backs' pipeline, so its failure comes back to
+/// the result's caller from there (`WriteBacks::send`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_result_whose_redis_write_fails_is_answered_and_written_once_redis_is_back() {
+    let redis = RedisProc::start();
+    let link = Link::to(redis.port).await;
+    let stores = Stores::fresh().redis(&format!("redis://127.0.0.1:{}", link.port()));
+    let app = spawn_app_on(stores.clone()).await;
+    let r = redis.conn().await;
+    let key = format!("k-{}", uuid::Uuid::new_v4());
+    let biz = BizType::parse("order").expect("biz");
+    let handle = identity("payments", &biz, &ClientKey::parse(&key).expect("key")).handle;
+    let redis_key = app.token_key(&handle);
+    let (s, _, b) = answer(
+        app.post(
+            PAYMENTS,
+            "/v1/keys/consume",
+            &json!({"biz_type": "order", "key": key, "request_id": "r-1"}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(
+        (s, b["outcome"].as_str()),
+        (StatusCode::OK, Some("consumed")),
+        "{b}"
+    );
+    eventually(10, || {
+        let (r, k) = (&r, &redis_key);
+        async move { (field(r, k, "s").await.as_deref() == Some("c")).then_some(()) }
+    })
+    .await;
+
+    link.cut();
+    let result = json!({"payment_id": "p-1"});
+    let (s, _, b) = answer(
+        app.post(
+            PAYMENTS,
+            "/v1/keys/result",
+            &json!({"biz_type": "order", "key": key, "result": result}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(
+        (s, b["outcome"].as_str()),
+        (StatusCode::OK, Some("recorded")),
+        "{b}"
+    );
+    assert_eq!(
+        field(&r, &redis_key, "res").await,
+        None,
+        "the link was cut: nothing reached Redis"
+    );
+
+    link.open();
+    let res = eventually(30, || {
+        let (r, k) = (&r, &redis_key);
+        async move { field(r, k, "res").await }
+    })
+    .await;
+    let res: Value = serde_json::from_str(&res).expect("json");
+    assert_eq!(res, result, "the queued write reached Redis");
+    let (s, _, dup) = answer(
+        app.post(
+            PAYMENTS,
+            "/v1/keys/consume",
+            &json!({"biz_type": "order", "key": key, "request_id": "r-2"}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{dup}");
+    assert_eq!(dup["result"], result, "{dup}");
+    app.stop().await;
+}
