@@ -98,22 +98,16 @@ async fn would_merge_join(hot: PgConnectOptions) -> PgPool {
     pool
 }
 
-/// Flushes this connection's statistics counts (as it goes idle after the
-/// next statement).
-async fn flush_stats(pool: &PgPool) {
-    sqlx::query("SELECT pg_stat_force_next_flush()")
-        .execute(pool)
-        .await
-        .expect("flush");
-}
-
 /// What scans of `tokens` (every partition) have read so far, this
 /// connection's included: the entries of every index (a bitmap scan reads
 /// its index's entries without fetching their rows) and the rows of
 /// sequential scans. Its own counts are flushed to the statistics first
 /// (as it goes idle after the first statement).
 async fn tokens_read(pool: &PgPool) -> i64 {
-    flush_stats(pool).await;
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(pool)
+        .await
+        .expect("flush");
     sqlx::query_scalar(
         "WITH p AS (SELECT inhrelid AS relid FROM pg_inherits WHERE inhparent = 'tokens'::regclass)
          SELECT (SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes
@@ -343,65 +337,6 @@ async fn a_result_and_release_batch_reads_only_its_own_tokens_on_the_hot_pool() 
         read < BOUND,
         "{read} index entries and rows of tokens read for a batch of 10"
     );
-}
-
-/// Scans (index and sequential) of the partitions of `tokens` other than
-/// `tokens_base` so far, this connection's included (flushed first).
-async fn other_partitions_scanned(pool: &PgPool) -> i64 {
-    flush_stats(pool).await;
-    sqlx::query_scalar(
-        "SELECT coalesce(sum(coalesce(idx_scan, 0) + seq_scan), 0)::bigint
-           FROM pg_stat_user_tables
-          WHERE relid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = 'tokens'::regclass)
-            AND relname <> 'tokens_base'",
-    )
-    .fetch_one(pool)
-    .await
-    .expect("scans")
-}
-
-/// A results and releases batch scans only the partition its rows are in
-/// (here `tokens_base`), however many partitions `tokens` has. It locked
-/// its rows with `id = ANY(ids)`, which Postgres prunes nowhere, and
-/// updated them through a join, which prunes only after setting up a scan
-/// of every partition: every batch scanned the primary key of every
-/// partition, and its cost grew with the retention (0.34 ms a batch of 16
-/// with 17 partitions, 0.75 ms with 47). Each item is now one call of
-/// `tokens_finish_row` (V23) on its own id. Seven runs on one connection:
-/// the statement's plan is cached (generic) from the sixth on.
-#[tokio::test]
-async fn a_result_and_release_batch_scans_no_other_partition() {
-    let (url, hot) = database_with_rows_before().await;
-    let pool = PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(hot)
-        .await
-        .expect("pool");
-    let partitions: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM pg_inherits WHERE inhparent = 'tokens'::regclass")
-            .fetch_one(&pool)
-            .await
-            .expect("partitions");
-    assert!(partitions > 2, "{partitions} partitions");
-    for run in 0..7 {
-        let records: Vec<TokenRecord> = (run * 4 + 1..=run * 4 + 4).map(record).collect();
-        for rec in &records {
-            consumed(&url, rec).await;
-        }
-        let items = results_and_releases(&records);
-        let refs: Vec<&FinishItem> = items.iter().collect();
-        let before = other_partitions_scanned(&pool).await;
-        let answers = finish_batch(&pool, &refs).await.expect("batch");
-        let scanned = other_partitions_scanned(&pool).await - before;
-        assert!(answers.iter().all(Result::is_ok), "run {run}: {answers:?}");
-        assert_eq!(
-            scanned,
-            0,
-            "run {run}: a batch of 4 in tokens_base scanned the other {} partitions {scanned} times",
-            partitions - 1
-        );
-    }
-    assert_eq!(results_and_releases_made(&pool).await, (14, 14));
 }
 
 /// The journal's apply (`durable::journal::apply`) looks its entries' rows
