@@ -606,6 +606,121 @@ impl Finishes {
     }
 }
 
+// The results and releases batch statement, in parts ([`finish_batch`]).
+// The rows are locked in id order first (`lk`), as every consume batch
+// locks them, so that batches of both kinds never deadlock; then the single
+// statements' updates and audit rows, per item.
+macro_rules! finish_locked {
+    () => {
+        r#"
+        WITH r AS (
+            SELECT * FROM UNNEST($1::bigint[], $2::bool[], $3::text[], $4::text[], $5::text[])
+                       AS r(id, rel, result, detail, of_request)
+        ), lk AS (
+            SELECT t.id, t.state, t.result IS NULL AS no_result, t.order_id IS NULL AS no_order,
+                   t.request_id
+              FROM tokens t WHERE t.id = ANY($1) ORDER BY t.id FOR UPDATE
+        )"#
+    };
+}
+macro_rules! finish_results {
+    () => {
+        r#"
+        , upd AS (
+            -- The conditions are the locked rows' (`lk`: each row's newest
+            -- version, locked by this statement, so the same in the update).
+            -- On `t` itself only its id: a condition on its state would let
+            -- a cached plan, made on statistics that saw few consumed rows,
+            -- find the batch's rows through an index of every consumed row.
+            UPDATE tokens t SET result = r.result::jsonb, result_at = now()
+              FROM r JOIN lk ON lk.id = r.id
+             WHERE NOT r.rel AND t.id = r.id
+               AND lk.state = 'consumed' AND lk.no_result
+               AND (r.of_request IS NULL OR lk.request_id = r.of_request)
+            RETURNING t.id, t.token, t.key, t.subject, t.biz_type, t.client, t.state, t.consumed_at,
+                      t.fingerprint, t.request_id, t.result, t.order_id, t.expires_at, t.gen,
+                      t.result_at, r.detail::jsonb AS detail
+        ), audit_result AS (
+            INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, client, gen, detail)
+            SELECT u.result_at, CASE WHEN u.key IS NULL THEN 'token.result' ELSE 'key.result' END::audit_kind,
+                   u.id, CASE WHEN u.key IS NULL THEN u.token END, nullif(u.subject, ''), u.biz_type,
+                   u.client, u.gen, jsonb_build_object('result', u.result) || CASE WHEN u.key IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('key', u.key) END
+                   || COALESCE(u.detail, '{}'::jsonb)
+              FROM upd u
+             ORDER BY u.id
+            ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
+        )"#
+    };
+}
+macro_rules! finish_releases {
+    () => {
+        r#"
+        , rel AS (
+            UPDATE tokens t
+               SET state = 'issued', gen = t.gen + 1, consumed_at = NULL, fingerprint = NULL,
+                   request_id = NULL,
+                   -- A key dates its release here (see V6).
+                   expires_at = CASE WHEN t.key IS NULL THEN t.expires_at ELSE now() END
+              FROM r JOIN lk ON lk.id = r.id
+             WHERE r.rel AND t.id = r.id
+               AND lk.state = 'consumed' AND lk.no_result AND lk.no_order
+               AND (r.of_request IS NULL OR lk.request_id = r.of_request)
+            RETURNING t.id, t.token, t.key, t.subject, t.biz_type, t.client, t.expires_at, t.gen,
+                      r.detail::jsonb AS detail
+        ), audit_release AS (
+            INSERT INTO audit_events (kind, token_id, token, subject, biz_type, client, gen, detail)
+            SELECT CASE WHEN l.key IS NULL THEN 'token.released' ELSE 'key.released' END::audit_kind,
+                   l.id, CASE WHEN l.key IS NULL THEN l.token END, nullif(l.subject, ''), l.biz_type,
+                   l.client, l.gen,
+                   CASE WHEN l.key IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('key', l.key) END
+                   || COALESCE(l.detail, '{}'::jsonb)
+              FROM rel l
+             ORDER BY l.id
+            ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
+        )"#
+    };
+}
+macro_rules! finish_results_answered {
+    () => {
+        r#"
+        SELECT u.id, false AS released, u.state, u.consumed_at, u.fingerprint, u.request_id,
+               u.result, u.order_id, u.expires_at, u.gen
+          FROM upd u"#
+    };
+}
+macro_rules! finish_releases_answered {
+    () => {
+        r#"
+        SELECT l.id, true AS released, 'issued'::token_state AS state,
+               NULL::timestamptz AS consumed_at, NULL::text AS fingerprint,
+               NULL::text AS request_id, NULL::jsonb AS result, NULL::text AS order_id,
+               l.expires_at, l.gen
+          FROM rel l"#
+    };
+}
+
+/// A batch of results only.
+const FINISH_RESULTS: &str = concat!(
+    finish_locked!(),
+    finish_results!(),
+    finish_results_answered!()
+);
+/// A batch of releases only.
+const FINISH_RELEASES: &str = concat!(
+    finish_locked!(),
+    finish_releases!(),
+    finish_releases_answered!()
+);
+/// A batch of both.
+const FINISH_RESULTS_AND_RELEASES: &str = concat!(
+    finish_locked!(),
+    finish_results!(),
+    finish_releases!(),
+    finish_results_answered!(),
+    "        UNION ALL",
+    finish_releases_answered!()
+);
+
 /// Decides a batch of results and releases (distinct ids, sorted by id) in
 /// one statement: for each item, in order, what
 /// [`tokens::set_result_versioned`] or [`tokens::release_with`] would
@@ -646,79 +761,21 @@ pub async fn finish_batch(
         details.push(detail.as_ref().map(Json::to_string));
         rids.push(of_request.as_deref());
     }
-    // The rows are locked in id order first (`lk`), as every consume batch
-    // locks them, so that batches of both kinds never deadlock; then the
-    // single statements' updates and audit rows, per item.
+    // A batch with no release (or no result) runs a statement without that
+    // part: each part's update sets up a scan of every partition of
+    // `tokens` whether or not an item needs it.
+    let statement = match (rel.contains(&false), rel.contains(&true)) {
+        (true, false) => FINISH_RESULTS,
+        (false, true) => FINISH_RELEASES,
+        _ => FINISH_RESULTS_AND_RELEASES,
+    };
     let rows = super::fetch_all(pool, || {
-        sqlx::query(
-            r#"
-        WITH r AS (
-            SELECT * FROM UNNEST($1::bigint[], $2::bool[], $3::text[], $4::text[], $5::text[])
-                       AS r(id, rel, result, detail, of_request)
-        ), lk AS (
-            SELECT t.id, t.state, t.result IS NULL AS no_result, t.order_id IS NULL AS no_order,
-                   t.request_id
-              FROM tokens t WHERE t.id = ANY($1) ORDER BY t.id FOR UPDATE
-        ), upd AS (
-            -- The conditions are the locked rows' (`lk`: each row's newest
-            -- version, locked by this statement, so the same in the update).
-            -- On `t` itself only its id: a condition on its state would let
-            -- a cached plan, made on statistics that saw few consumed rows,
-            -- find the batch's rows through an index of every consumed row.
-            UPDATE tokens t SET result = r.result::jsonb, result_at = now()
-              FROM r JOIN lk ON lk.id = r.id
-             WHERE NOT r.rel AND t.id = r.id
-               AND lk.state = 'consumed' AND lk.no_result
-               AND (r.of_request IS NULL OR lk.request_id = r.of_request)
-            RETURNING t.id, t.token, t.key, t.subject, t.biz_type, t.client, t.state, t.consumed_at,
-                      t.fingerprint, t.request_id, t.result, t.order_id, t.expires_at, t.gen,
-                      t.result_at, r.detail::jsonb AS detail
-        ), rel AS (
-            UPDATE tokens t
-               SET state = 'issued', gen = t.gen + 1, consumed_at = NULL, fingerprint = NULL,
-                   request_id = NULL,
-                   -- A key dates its release here (see V6).
-                   expires_at = CASE WHEN t.key IS NULL THEN t.expires_at ELSE now() END
-              FROM r JOIN lk ON lk.id = r.id
-             WHERE r.rel AND t.id = r.id
-               AND lk.state = 'consumed' AND lk.no_result AND lk.no_order
-               AND (r.of_request IS NULL OR lk.request_id = r.of_request)
-            RETURNING t.id, t.token, t.key, t.subject, t.biz_type, t.client, t.expires_at, t.gen,
-                      r.detail::jsonb AS detail
-        ), audit_result AS (
-            INSERT INTO audit_events (at, kind, token_id, token, subject, biz_type, client, gen, detail)
-            SELECT u.result_at, CASE WHEN u.key IS NULL THEN 'token.result' ELSE 'key.result' END::audit_kind,
-                   u.id, CASE WHEN u.key IS NULL THEN u.token END, nullif(u.subject, ''), u.biz_type,
-                   u.client, u.gen, jsonb_build_object('result', u.result) || CASE WHEN u.key IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('key', u.key) END
-                   || COALESCE(u.detail, '{}'::jsonb)
-              FROM upd u
-             ORDER BY u.id
-            ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
-        ), audit_release AS (
-            INSERT INTO audit_events (kind, token_id, token, subject, biz_type, client, gen, detail)
-            SELECT CASE WHEN l.key IS NULL THEN 'token.released' ELSE 'key.released' END::audit_kind,
-                   l.id, CASE WHEN l.key IS NULL THEN l.token END, nullif(l.subject, ''), l.biz_type,
-                   l.client, l.gen,
-                   CASE WHEN l.key IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('key', l.key) END
-                   || COALESCE(l.detail, '{}'::jsonb)
-              FROM rel l
-             ORDER BY l.id
-            ON CONFLICT (token_id, kind, gen) WHERE gen IS NOT NULL DO NOTHING
-        )
-        SELECT u.id, false AS released, u.state, u.consumed_at, u.fingerprint, u.request_id,
-               u.result, u.order_id, u.expires_at, u.gen
-          FROM upd u
-        UNION ALL
-        SELECT l.id, true, 'issued'::token_state, NULL::timestamptz, NULL::text, NULL::text,
-               NULL::jsonb, NULL::text, l.expires_at, l.gen
-          FROM rel l
-        "#,
-        )
-        .bind(&ids)
-        .bind(&rel)
-        .bind(&results)
-        .bind(&details)
-        .bind(&rids)
+        sqlx::query(statement)
+            .bind(&ids)
+            .bind(&rel)
+            .bind(&results)
+            .bind(&details)
+            .bind(&rids)
     })
     .await?;
     let mut decided: HashMap<i64, Finished> = HashMap::with_capacity(n);

@@ -651,7 +651,8 @@ fn finish_shape(f: &idempotency_ledger::durable::batch::Finished) -> Value {
 /// issued token, one on a token with a result, one naming another
 /// request's consume, one on no row; a release done, one of a token with a
 /// result, one naming another request, one of no row; with the same audit
-/// rows (kinds, generations, details).
+/// rows (kinds, generations, details). So do a batch of the results alone
+/// and one of the releases alone (each runs a statement of its own).
 #[tokio::test]
 async fn one_result_and_release_batch_answers_each_item_as_the_single_statements_do() {
     use idempotency_ledger::durable::batch::{finish_batch, FinishItem, Finished};
@@ -688,7 +689,7 @@ async fn one_result_and_release_batch_answers_each_item_as_the_single_statements
             (11, "none", release(11, None, None)),
         ]
     };
-    for base in [100, 200] {
+    for base in [100, 200, 300, 400] {
         for (i, prior, _) in cases(base) {
             let rec = finish_record(base + i);
             if prior == "none" {
@@ -708,14 +709,33 @@ async fn one_result_and_release_batch_answers_each_item_as_the_single_statements
             }
         }
     }
-    let batch: Vec<FinishItem> = cases(100).into_iter().map(|(_, _, it)| it).collect();
-    let refs: Vec<&FinishItem> = batch.iter().collect();
-    let batched: Vec<Value> = finish_batch(&pg, &refs)
-        .await
-        .unwrap()
-        .iter()
-        .map(|a| finish_shape(a.as_ref().unwrap()))
-        .collect();
+    let batched_of = |items: Vec<FinishItem>| {
+        let pg = pg.clone();
+        async move {
+            let refs: Vec<&FinishItem> = items.iter().collect();
+            finish_batch(&pg, &refs)
+                .await
+                .unwrap()
+                .iter()
+                .map(|a| finish_shape(a.as_ref().unwrap()))
+                .collect::<Vec<Value>>()
+        }
+    };
+    let is_result = |it: &FinishItem| matches!(it, FinishItem::Result { .. });
+    let batched = batched_of(cases(100).into_iter().map(|(_, _, it)| it).collect()).await;
+    let (results_alone, releases_alone): (Vec<FinishItem>, Vec<FinishItem>) = cases(300)
+        .into_iter()
+        .map(|(_, _, it)| it)
+        .filter(is_result)
+        .chain(
+            cases(400)
+                .into_iter()
+                .map(|(_, _, it)| it)
+                .filter(|it| !is_result(it)),
+        )
+        .partition(is_result);
+    let mut alone = batched_of(results_alone).await;
+    alone.extend(batched_of(releases_alone).await);
     let mut single = Vec::new();
     for (_, _, it) in cases(200) {
         let answer = match &it {
@@ -748,6 +768,7 @@ async fn one_result_and_release_batch_answers_each_item_as_the_single_statements
         single.push(finish_shape(&answer));
     }
     assert_eq!(batched, single);
+    assert_eq!(alone, single);
     let consumed = |result: Value| json!(["Consumed", "r-first", result, 1]);
     assert_eq!(
         batched,
@@ -784,6 +805,12 @@ async fn one_result_and_release_batch_answers_each_item_as_the_single_statements
     let batch_audits = audits(100).await;
     assert_eq!(batch_audits, audits(200).await);
     assert_eq!(batch_audits.len(), 6, "{batch_audits:?}");
+    // Each base holds all eleven rows (the prior results' audit rows too):
+    // the results' offsets are 1 to 6, the releases' 7 to 11.
+    let mut alone_audits = audits(300).await;
+    alone_audits.retain(|row| row.0 <= 6);
+    alone_audits.extend(audits(400).await.into_iter().filter(|row| row.0 >= 7));
+    assert_eq!(alone_audits, batch_audits);
     app.stop().await;
 }
 
