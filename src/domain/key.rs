@@ -82,6 +82,22 @@ mod tests {
         }
     }
 
+    /// A key's identity is stored: its row id in Postgres (one row per key
+    /// rests on it, with the primary key) and its handle in Redis (the
+    /// marker's name and hash tag). A derivation that changed would give
+    /// every existing key a second, fresh row and marker: consumable again.
+    #[test]
+    fn identity_is_the_one_every_stored_key_was_given() {
+        let biz = BizType::parse("order").expect("biz");
+        let k = ClientKey::parse("k-1").expect("key");
+        let id = identity("payments", &biz, &k);
+        assert_eq!(id.id, -4_018_462_649_941_974_968);
+        assert_eq!(
+            id.handle,
+            "k.6f88e4fa91eebf6f0f62fb86a13523ffd6fc8ce84cffd8179dc77f6ee0199961"
+        );
+    }
+
     #[test]
     fn identity_depends_on_client_biz_and_key_only() {
         let biz = BizType::parse("order").expect("biz");
