@@ -137,23 +137,54 @@ fn record(i: i64) -> TokenRecord {
     }
 }
 
-/// A result for every other one of `records` (consumed by `r-first`), a
-/// release for the rest.
-fn results_and_releases(records: &[TokenRecord]) -> Vec<FinishItem> {
+/// What a results and releases batch holds: each kind runs a statement of
+/// its own (`durable::batch`).
+#[derive(Debug, Clone, Copy)]
+enum Mix {
+    /// A result for every other item, a release for the rest.
+    Both,
+    ResultsAlone,
+    ReleasesAlone,
+}
+
+impl Mix {
+    const ALL: [Mix; 3] = [Mix::Both, Mix::ResultsAlone, Mix::ReleasesAlone];
+
+    fn releases(self, i: usize) -> bool {
+        match self {
+            Mix::Both => i % 2 == 1,
+            Mix::ResultsAlone => false,
+            Mix::ReleasesAlone => true,
+        }
+    }
+
+    /// (results recorded, releases done) by a batch of ten.
+    fn made(self) -> (i64, i64) {
+        match self {
+            Mix::Both => (5, 5),
+            Mix::ResultsAlone => (10, 0),
+            Mix::ReleasesAlone => (0, 10),
+        }
+    }
+}
+
+/// Results and releases of `records` (consumed by `r-first`), as `mix`
+/// says.
+fn results_and_releases(records: &[TokenRecord], mix: Mix) -> Vec<FinishItem> {
     records
         .iter()
         .enumerate()
         .map(|(i, r)| {
-            if i % 2 == 0 {
-                FinishItem::Result {
+            if mix.releases(i) {
+                FinishItem::Release {
                     id: r.id,
-                    result: serde_json::json!({"payment_id": r.id}),
                     detail: None,
                     of_request: Some("r-first".into()),
                 }
             } else {
-                FinishItem::Release {
+                FinishItem::Result {
                     id: r.id,
+                    result: serde_json::json!({"payment_id": r.id}),
                     detail: None,
                     of_request: Some("r-first".into()),
                 }
@@ -162,21 +193,21 @@ fn results_and_releases(records: &[TokenRecord]) -> Vec<FinishItem> {
         .collect()
 }
 
-/// Ten tokens after the rows before, consumed by `r-first`, then a result
-/// for every other one and a release for the rest in one batch on `pool`,
-/// checked: what the batch read of `tokens`.
-async fn finish_batch_read(url: &str, pool: &PgPool) -> i64 {
+/// Ten tokens after the rows before, consumed by `r-first`, then their
+/// results and releases (as `mix` says) in one batch on `pool`, checked:
+/// what the batch read of `tokens`.
+async fn finish_batch_read(url: &str, pool: &PgPool, mix: Mix) -> i64 {
     let records: Vec<TokenRecord> = (1..=10).map(record).collect();
     for rec in &records {
         consumed(url, rec).await;
     }
-    let items = results_and_releases(&records);
+    let items = results_and_releases(&records, mix);
     let refs: Vec<&FinishItem> = items.iter().collect();
     let before = tokens_read(pool).await;
     let answers = finish_batch(pool, &refs).await.expect("batch");
     let read = tokens_read(pool).await - before;
-    assert!(answers.iter().all(Result::is_ok), "{answers:?}");
-    assert_eq!(results_and_releases_made(pool).await, (5, 5));
+    assert!(answers.iter().all(Result::is_ok), "{mix:?}: {answers:?}");
+    assert_eq!(results_and_releases_made(pool).await, mix.made(), "{mix:?}");
     read
 }
 
@@ -327,16 +358,19 @@ async fn a_key_batch_reads_only_its_own_keys_on_the_hot_pool() {
 }
 
 /// The results and releases batch (`durable::batch::finish_batch`) updates
-/// its rows joined with its items.
+/// its rows joined with its items, in each of its three statements (both
+/// kinds, results alone, releases alone).
 #[tokio::test]
 async fn a_result_and_release_batch_reads_only_its_own_tokens_on_the_hot_pool() {
-    let (url, hot) = database_with_rows_before().await;
-    let pool = would_merge_join(hot).await;
-    let read = finish_batch_read(&url, &pool).await;
-    assert!(
-        read < BOUND,
-        "{read} index entries and rows of tokens read for a batch of 10"
-    );
+    for mix in Mix::ALL {
+        let (url, hot) = database_with_rows_before().await;
+        let pool = would_merge_join(hot).await;
+        let read = finish_batch_read(&url, &pool, mix).await;
+        assert!(
+            read < BOUND,
+            "{mix:?}: {read} index entries and rows of tokens read for a batch of 10"
+        );
+    }
 }
 
 /// The journal's apply (`durable::journal::apply`) looks its entries' rows
@@ -589,20 +623,23 @@ async fn generic_plans(hot: PgConnectOptions) -> PgPool {
 /// named the rows' state, and a cached plan made on statistics that saw
 /// few consumed rows found the batch's rows through the index of every
 /// consumed row (`tokens_consumed_at_idx`): 80,045 rows read for a batch
-/// of 10 here. The conditions are now the locked rows'.
+/// of 10 here. The conditions are now the locked rows', in each of its
+/// three statements.
 #[tokio::test]
 async fn a_result_and_release_batch_reads_only_its_own_tokens_when_the_statistics_predate_the_consumes(
 ) {
-    let (url, hot) = database_with_rows_before().await;
-    let pg = PgPool::connect(&url).await.expect("pool");
-    consumed_behind_the_statistics(&pg, "durable", "order").await;
-    pg.close().await;
-    let pool = generic_plans(hot).await;
-    let read = finish_batch_read(&url, &pool).await;
-    assert!(
-        read < BOUND,
-        "{read} index entries and rows of tokens read for a batch of 10"
-    );
+    for mix in Mix::ALL {
+        let (url, hot) = database_with_rows_before().await;
+        let pg = PgPool::connect(&url).await.expect("pool");
+        consumed_behind_the_statistics(&pg, "durable", "order").await;
+        pg.close().await;
+        let pool = generic_plans(hot).await;
+        let read = finish_batch_read(&url, &pool, mix).await;
+        assert!(
+            read < BOUND,
+            "{mix:?}: {read} index entries and rows of tokens read for a batch of 10"
+        );
+    }
 }
 
 /// A result or release that runs alone (the queue was idle, as under light
