@@ -17,6 +17,7 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 use tokio::sync::Barrier;
 
+use crate::helpers::calls::consume_key;
 use crate::helpers::scrape::sample;
 use crate::helpers::*;
 
@@ -27,10 +28,6 @@ fn key_batches(text: &str, le: &str) -> (f64, f64, f64) {
     let sum = sample(text, "ledger_pg_key_batch_size_sum", &[]).expect("sum");
     let small = sample(text, "ledger_pg_key_batch_size_bucket", &[("le", le)]).expect("bucket");
     (count, sum, small)
-}
-
-async fn consume_key(app: &TestApp, body: &Value) -> (StatusCode, bool, Value) {
-    answer(app.post(PAYMENTS, "/v1/keys/consume", body).await).await
 }
 
 /// 60 new keys of the durable `order` type, each claimed by 5 identical

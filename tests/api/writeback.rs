@@ -21,6 +21,7 @@ use serde_json::{json, Value};
 use sqlx::Row;
 use tokio_util::sync::CancellationToken;
 
+use crate::helpers::calls;
 use crate::helpers::link::Link;
 use crate::helpers::procs::RedisProc;
 use crate::helpers::scrape;
@@ -326,13 +327,9 @@ async fn results_recorded_together_reach_redis_in_pipelines_before_their_answers
     let biz = BizType::parse("order").expect("biz");
     let key = |i: usize| format!("k-{run}-{i}");
     for i in 0..KEYS {
-        let (s, _, b) = answer(
-            app.post(
-                PAYMENTS,
-                "/v1/keys/consume",
-                &json!({"biz_type": "order", "key": key(i), "request_id": format!("r-{i}")}),
-            )
-            .await,
+        let (s, _, b) = calls::consume_key(
+            &app,
+            &json!({"biz_type": "order", "key": key(i), "request_id": format!("r-{i}")}),
         )
         .await;
         assert_eq!(
@@ -419,13 +416,9 @@ async fn a_result_whose_redis_write_fails_is_answered_and_written_once_redis_is_
     let biz = BizType::parse("order").expect("biz");
     let handle = identity("payments", &biz, &ClientKey::parse(&key).expect("key")).handle;
     let redis_key = app.token_key(&handle);
-    let (s, _, b) = answer(
-        app.post(
-            PAYMENTS,
-            "/v1/keys/consume",
-            &json!({"biz_type": "order", "key": key, "request_id": "r-1"}),
-        )
-        .await,
+    let (s, _, b) = calls::consume_key(
+        &app,
+        &json!({"biz_type": "order", "key": key, "request_id": "r-1"}),
     )
     .await;
     assert_eq!(
@@ -469,13 +462,9 @@ async fn a_result_whose_redis_write_fails_is_answered_and_written_once_redis_is_
     .await;
     let res: Value = serde_json::from_str(&res).expect("json");
     assert_eq!(res, result, "the queued write reached Redis");
-    let (s, _, dup) = answer(
-        app.post(
-            PAYMENTS,
-            "/v1/keys/consume",
-            &json!({"biz_type": "order", "key": key, "request_id": "r-2"}),
-        )
-        .await,
+    let (s, _, dup) = calls::consume_key(
+        &app,
+        &json!({"biz_type": "order", "key": key, "request_id": "r-2"}),
     )
     .await;
     assert_eq!(s, StatusCode::OK, "{dup}");

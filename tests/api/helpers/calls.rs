@@ -1,6 +1,6 @@
-//! One-line calls of the routes that several test files make: a consume
-//! (status, replayed, body), a release, a reconcile run over HTTP, and one
-//! number of `/metrics`.
+//! One-line calls of the routes that several test files make: a consume of
+//! a token or of a client key (status, replayed, body), a release, a
+//! reconcile run over HTTP, and one number of `/metrics`.
 
 use reqwest::StatusCode;
 use serde_json::{json, Value};
@@ -18,6 +18,12 @@ pub async fn reconcile(app: &TestApp) -> Value {
 /// A consume by the payments client: status, replayed, body.
 pub async fn consume(app: &TestApp, token: &str, body: Value) -> (StatusCode, bool, Value) {
     answer(app.consume(PAYMENTS, token, &body).await).await
+}
+
+/// A consume of a client key by the payments client (`body`: biz type,
+/// key and the rest): status, replayed, body.
+pub async fn consume_key(app: &TestApp, body: &Value) -> (StatusCode, bool, Value) {
+    answer(app.post(PAYMENTS, "/v1/keys/consume", body).await).await
 }
 
 /// The number on the first `/metrics` line that starts with `name` (0 when
