@@ -290,25 +290,31 @@ async fn results_recorded_together_are_told_to_the_fleet_in_fewer_transactions_t
         .connect(&stores.db_url())
         .await
         .unwrap();
-    let commits: i64 = eventually(20, || {
-        let observer = observer.clone();
-        async move {
-            let others: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
-            )
-            .fetch_one(&observer)
-            .await
-            .ok()?;
-            (others == 0).then_some(())?;
-            sqlx::query_scalar(
-                "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
-            )
-            .fetch_one(&observer)
-            .await
-            .ok()
+    // Up to 20 s for the other backends to go; if one stays, say whose.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let others: Vec<(Option<String>, Option<String>, Option<String>)> = sqlx::query_as(
+            "SELECT application_name, state, left(query, 120) FROM pg_stat_activity
+              WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        .fetch_all(&observer)
+        .await
+        .unwrap();
+        if others.is_empty() {
+            break;
         }
-    })
-    .await;
+        assert!(
+            std::time::Instant::now() < deadline,
+            "other connections to the test database 20 s after the service stopped: {others:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let commits: i64 = sqlx::query_scalar(
+        "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(&observer)
+    .await
+    .unwrap();
     assert!(
         commits < KEYS as i64,
         "{commits} transactions for {KEYS} claims and {KEYS} results"
